@@ -1,0 +1,27 @@
+"""zjax: ZeRO-3 style fully sharded data parallelism for JAX, planned at compile time.
+
+Public API (everything else lives in `zjax._src` and may change):
+  ZeroConfig        the knobs (DeepSpeed's names, units and defaults)
+  compile_schedule  trace a loss function and plan its schedule for N devices
+  Schedule          the schedule: data, JSON, validation, report, readable table
+  trace_program     the parameter-use table of a loss function (what the planner sees)
+"""
+
+from zjax._src.config import ZeroConfig
+from zjax._src.errors import ScheduleError, ScheduleMismatchError, TraceError, ZjaxError
+from zjax._src.plan import compile_schedule
+from zjax._src.schedule import Schedule
+from zjax._src.trace import trace_program
+
+__all__ = [
+    "ZeroConfig",
+    "compile_schedule",
+    "Schedule",
+    "trace_program",
+    "ZjaxError",
+    "TraceError",
+    "ScheduleError",
+    "ScheduleMismatchError",
+]
+
+__version__ = "0.1.0"

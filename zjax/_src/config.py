@@ -1,0 +1,107 @@
+"""ZeroConfig: the knobs of a ZeRO-3 schedule, with DeepSpeed's names, units and defaults."""
+
+import dataclasses
+import numbers
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+# Knobs measured in parameter elements, as in DeepSpeed's `zero_optimization` section.
+_ELEMENT_KNOBS = {
+    "prefetch_bucket_size": "must be >= 0 (0 disables prefetch)",
+    "max_live_parameters": "must be > 0",
+    "max_reuse_distance": "must be >= 0 (0 releases after every use)",
+    "param_persistence_threshold": "must be >= 0 (0 shards every non-empty parameter)",
+    "sub_group_size": "must be > 0",
+}
+_POSITIVE_KNOBS = ("max_live_parameters", "sub_group_size")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+  """Knobs of the ZeRO-3 schedule. Sizes are counts of parameter elements, as in DeepSpeed.
+
+  Attributes:
+    prefetch_bucket_size: elements of upcoming buckets that may be gathered ahead of need
+      (0 disables prefetch).
+    max_live_parameters: cap on gathered (full-form) parameter elements alive at once.
+    max_reuse_distance: keep a gathered bucket instead of releasing and gathering it again
+      when its next use is at most this many elements of work away.
+    param_persistence_threshold: parameters with at most this many elements are replicated,
+      never sharded or gathered.
+    sub_group_size: elements per optimizer sub-group (the unit of the optimizer step).
+    compute_dtype: dtype parameters are gathered and used in (None: their own dtype; e.g.
+      ``jnp.bfloat16`` for mixed precision). Only floating-point parameters are cast.
+    axis_name: name of the mesh axis that parameters are sharded over.
+
+  Example:
+    >>> cfg = ZeroConfig(prefetch_bucket_size=0, param_persistence_threshold=1e4)
+    >>> cfg.prefetch_bucket_size
+    0
+  """
+
+  prefetch_bucket_size: int = int(5e7)
+  max_live_parameters: int = int(1e9)
+  max_reuse_distance: int = int(1e9)
+  param_persistence_threshold: int = int(1e5)
+  sub_group_size: int = int(1e9)
+  compute_dtype: Any = None
+  axis_name: str = "fsdp"
+
+  def __post_init__(self):
+    for name in _ELEMENT_KNOBS:
+      object.__setattr__(self, name, _check_element_count(name, getattr(self, name)))
+    object.__setattr__(self, "compute_dtype", _check_compute_dtype(self.compute_dtype))
+    if not isinstance(self.axis_name, str) or not self.axis_name:
+      raise ValueError(
+          f"ZeroConfig.axis_name must be a non-empty string naming a mesh axis, "
+          f"got {self.axis_name!r}.")
+
+  def to_dict(self) -> dict:
+    """JSON-serialisable form (dtype as its name)."""
+    out = dataclasses.asdict(self)
+    out["compute_dtype"] = None if self.compute_dtype is None else self.compute_dtype.name
+    return out
+
+  @classmethod
+  def from_dict(cls, data: dict) -> "ZeroConfig":
+    """Inverse of `to_dict`; unknown keys are an error naming them."""
+    if not isinstance(data, dict):
+      raise ValueError(f"ZeroConfig.from_dict expects a dict, got {type(data).__name__}.")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+      raise ValueError(f"Unknown ZeroConfig field(s) {unknown}; known fields: {sorted(known)}.")
+    return cls(**data)
+
+
+def _check_element_count(name: str, value: Any) -> int:
+  """Accept ints and integral floats (DeepSpeed configs write 5e7); return an int."""
+  rule = _ELEMENT_KNOBS[name]
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise ValueError(
+        f"ZeroConfig.{name} must be a number of parameter elements ({rule}), "
+        f"got {value!r} of type {type(value).__name__}.")
+  if not np.isfinite(value) or value != int(value):
+    raise ValueError(f"ZeroConfig.{name} must be a whole number of elements, got {value!r}.")
+  value = int(value)
+  if value < 0 or (value == 0 and name in _POSITIVE_KNOBS):
+    raise ValueError(f"ZeroConfig.{name} {rule}, got {value}.")
+  return value
+
+
+def _check_compute_dtype(value: Any):
+  if value is None:
+    return None
+  try:
+    dtype = jnp.dtype(value)
+  except TypeError as e:
+    raise ValueError(
+        f"ZeroConfig.compute_dtype must be None or a floating dtype such as jnp.bfloat16, "
+        f"got {value!r}.") from e
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(
+        f"ZeroConfig.compute_dtype must be a floating dtype (e.g. bfloat16, float32), "
+        f"got {dtype.name}.")
+  return dtype

@@ -1,0 +1,20 @@
+"""Error types raised by zjax on bad input.
+
+All are ValueError subclasses so that callers who catch ValueError keep working.
+"""
+
+
+class ZjaxError(ValueError):
+  """Base class of every error zjax raises about user input."""
+
+
+class TraceError(ZjaxError):
+  """The loss function or its example inputs cannot be traced into a schedule."""
+
+
+class ScheduleError(ZjaxError):
+  """A schedule is illegal: it is malformed, inconsistent, or breaks a limit of its config."""
+
+
+class ScheduleMismatchError(ZjaxError):
+  """A schedule was made for another model (parameter structure or use order differ)."""

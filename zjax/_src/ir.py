@@ -1,0 +1,89 @@
+"""Types of the schedule IR, shared by the planner, validator, report, renderer and executor.
+
+Vocabulary:
+  * op: a top-level equation of the traced program, numbered by `trace.walk_ops`.
+  * segment: a contiguous op range [start, end), the unit of compute. Its buckets are exactly
+    those holding a parameter used by one of its ops.
+  * bucket: sharded parameters of one owning module and one dtype, gathered together by one
+    coalesced all-gather; its gradient is reduce-scattered by one psum_scatter.
+  * steps: the forward list computes segments 0..K-1, the backward list their vjps K-1..0.
+    Step ops: "gather" (a prefetch when issued ahead of need), "compute", "release", and in
+    backward "reduce_scatter" (the bucket's gradient, summed over devices, into its shard).
+  * layout: a sharded parameter is stored flat, zero-padded to a multiple of N elements, and
+    split into N contiguous chunks, chunk d on device d; persistent parameters are replicated.
+"""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+FORMAT_NAME = "zjax-schedule"
+FORMAT_VERSION = 1
+FORWARD_OPS = ("gather", "compute", "release")
+BACKWARD_OPS = ("gather", "compute", "release", "reduce_scatter")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamEntry:
+  """One parameter leaf: identity, storage layout and uses (op numbers, program order)."""
+  path: str
+  shape: tuple[int, ...]
+  dtype: str
+  persistent: bool  # replicated on every device, never gathered
+  bucket: int | None  # None for persistent and unused parameters
+  uses: tuple[int, ...]
+
+  @property
+  def size(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64))
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+  id: int
+  module: str  # owning module of its parameters
+  dtype: str
+  params: tuple[str, ...]  # paths, in first-use order
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+  id: int
+  start: int
+  end: int  # exclusive
+  buckets: tuple[int, ...]
+  label: str  # module of the first op that uses a bucket (for people, not machines)
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+  op: str
+  bucket: int | None = None
+  segment: int | None = None
+  prefetch: bool = False
+
+  def to_dict(self) -> dict:
+    if self.op == "compute":
+      return {"op": "compute", "segment": self.segment}
+    out = {"op": self.op, "bucket": self.bucket}
+    if self.op == "gather":
+      out["prefetch"] = self.prefetch
+    return out
+
+
+def padded_size(size: int, num_devices: int) -> int:
+  """Elements of a sharded parameter's flat storage: size rounded up to a multiple of N."""
+  return -(-size // num_devices) * num_devices
+
+
+def is_float(dtype) -> bool:
+  return bool(jnp.issubdtype(jnp.dtype(dtype), jnp.floating))
+
+
+def gather_dtype(dtype, compute_dtype) -> np.dtype:
+  """The dtype a parameter stored as `dtype` is gathered, used and reduced in."""
+  dtype = jnp.dtype(dtype)
+  if compute_dtype is not None and is_float(dtype):
+    return jnp.dtype(compute_dtype)
+  return dtype

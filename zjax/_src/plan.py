@@ -1,0 +1,289 @@
+"""The planner: parameter-use table + config + N devices -> Schedule.
+
+1. Layout: parameters with at most `param_persistence_threshold` elements (and all of them on
+   one device) are persistent (replicated); the others are sharded.
+2. Buckets: sharded, used parameters grouped by owning module and dtype, in first-use order.
+3. Segments: the op list cut so that a segment starts where a bucket that is not yet in use
+   is needed, and ends right after its last parameter use (releases come promptly).
+4. Instances: each bucket's uses are grouped into gather instances; a gap of more than
+   `max_reuse_distance` elements of work (parameter elements used in between) splits an
+   instance (release, then gather again). The last instance stays gathered into backward
+   when the work to the mirrored backward use is within the distance. Then
+   `max_live_parameters` is enforced by releasing the kept bucket whose next use is farthest.
+5. Steps: each phase (forward segments 0..K-1, backward K-1..0) gathers at need, moved
+   earlier (prefetch) while upcoming-but-unused gathered elements stay within
+   `prefetch_bucket_size` and live elements within `max_live_parameters`. In backward each
+   instance's gradient is reduce-scattered after its last backward use, then released.
+"""
+
+import dataclasses
+from typing import Any, Callable
+
+from zjax._src import ir
+from zjax._src.config import ZeroConfig
+from zjax._src.errors import ScheduleError
+from zjax._src.schedule import Schedule, program_hash
+from zjax._src.trace import ProgramTrace, trace_program
+
+
+def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
+                     num_devices: int | None = None, config: ZeroConfig | None = None
+                     ) -> Schedule:
+  """Trace `loss_fn(params, batch)` and plan its ZeRO-3 schedule.
+
+  Args:
+    loss_fn: `(params, batch) -> scalar loss`; any pure JAX function (Flax linen: wrap
+      `model.apply`; NNX: merge the split graph inside).
+    params, batch: example pytrees of arrays or `jax.ShapeDtypeStruct`s (no device memory is
+      needed: planning is analytic).
+    mesh: the mesh to run on; N is its size along `config.axis_name`.
+    num_devices: N, instead of a mesh (e.g. to plan for more devices than are present).
+    config: the knobs; `ZeroConfig()` by default.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, zjax
+    >>> params = {"w": jnp.ones((512, 512))}
+    >>> sched = zjax.compile_schedule(lambda p, x: (x @ p["w"]).mean(), params,
+    ...                               jnp.ones((8, 512)), num_devices=8)
+    >>> sched.report()["all_gather_count"]
+    1
+  """
+  config = ZeroConfig() if config is None else config
+  if not isinstance(config, ZeroConfig):
+    raise TypeError(f"config must be a zjax.ZeroConfig, got {type(config).__name__}.")
+  n = _resolve_num_devices(mesh, num_devices, config.axis_name)
+  return plan_schedule(trace_program(loss_fn, params, batch), config, n)
+
+
+def plan_schedule(trace: ProgramTrace, config: ZeroConfig, num_devices: int) -> Schedule:
+  """Plan a schedule from a traced program (see the module docstring for the steps)."""
+  persistent = {p.index for p in trace.params
+                if num_devices == 1 or p.size <= config.param_persistence_threshold}
+  groups = _group_buckets(trace, persistent)
+  bucket_of = {i: b for b, (_, _, members) in enumerate(groups) for i in members}
+  entries = tuple(
+      ir.ParamEntry(path=p.path, shape=p.shape, dtype=p.dtype.name,
+                    persistent=p.index in persistent, bucket=bucket_of.get(p.index),
+                    uses=tuple(u.op for u in p.uses))
+      for p in trace.params)
+  buckets = tuple(
+      ir.Bucket(id=b, module=module, dtype=dtype,
+                params=tuple(trace.params[i].path for i in members))
+      for b, (module, dtype, members) in enumerate(groups))
+  segments = _make_segments(trace, bucket_of)
+  elements = [sum(ir.padded_size(trace.params[i].size, num_devices) for i in members)
+              for _, _, members in groups]
+  forward, backward = _StepPlanner(segments, elements, buckets, config).plan()
+  return Schedule(num_devices=num_devices, config=config, num_ops=len(trace.ops),
+                  program_hash=program_hash(o.primitive for o in trace.ops), params=entries,
+                  buckets=buckets, segments=segments, forward=forward, backward=backward)
+
+
+def _resolve_num_devices(mesh, num_devices, axis_name) -> int:
+  if (mesh is None) == (num_devices is None):
+    raise ValueError("Pass exactly one of mesh= (the mesh to run on) or num_devices= (N, to "
+                     "plan analytically).")
+  if mesh is not None:
+    if axis_name not in mesh.shape:
+      raise ValueError(f"The mesh has axes {tuple(mesh.shape)} but ZeroConfig.axis_name is "
+                       f"{axis_name!r}; name the sharding axis {axis_name!r} or set axis_name.")
+    return int(mesh.shape[axis_name])
+  if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+    raise ValueError(f"num_devices must be a positive int, got {num_devices!r}.")
+  return num_devices
+
+
+def _group_buckets(trace, persistent) -> list[tuple[str, str, list[int]]]:
+  """(owner module, dtype, param indices) per bucket, in order of first use."""
+  used = [p for p in trace.params if p.uses and p.index not in persistent]
+  used.sort(key=lambda p: (p.uses[0].op, p.index))
+  groups: dict[tuple[str, str], list[int]] = {}
+  for p in used:
+    groups.setdefault((p.owner, p.dtype.name), []).append(p.index)
+  return [(module, dtype, members) for (module, dtype), members in groups.items()]
+
+
+def _make_segments(trace, bucket_of) -> tuple[ir.Segment, ...]:
+  """Cut the op list where a bucket not used by the current segment is needed."""
+  buckets_at: dict[int, set[int]] = {}
+  for p in trace.params:
+    if p.index in bucket_of:
+      for u in p.uses:
+        buckets_at.setdefault(u.op, set()).add(bucket_of[p.index])
+  cuts, current, last_op, first_ops = [], set(), None, []
+  for op in sorted(buckets_at):
+    if current and not buckets_at[op] <= current:
+      cuts.append((last_op + 1, sorted(current)))
+      current = set()
+    if not current:
+      first_ops.append(op)
+    current |= buckets_at[op]
+    last_op = op
+  cuts.append((len(trace.ops), sorted(current)))
+  segments, start = [], 0
+  for i, (end, bucket_ids) in enumerate(cuts):
+    label = trace.ops[first_ops[i]].module if i < len(first_ops) else ""
+    segments.append(ir.Segment(id=i, start=start, end=end, buckets=tuple(bucket_ids),
+                               label=label))
+    start = end
+  return tuple(segments)
+
+
+@dataclasses.dataclass
+class _Instance:
+  """One gathered lifetime of a bucket in forward (mirrored in backward)."""
+  bucket: int
+  uses: list[int]  # forward segments that use it, ascending
+  keep_turn: bool = False  # stays gathered from its last forward use into backward
+
+  @property
+  def start(self) -> int:
+    return self.uses[0]
+
+  @property
+  def end(self) -> int:
+    return self.uses[-1]
+
+
+@dataclasses.dataclass
+class _Interval:
+  """A live interval in one phase's time (the k-th segment computed in that phase)."""
+  bucket: int
+  need: int  # first compute that needs it
+  end: int  # last compute before release
+  live_at_start: bool = False  # kept from forward: no gather in this phase
+  gather_at: int = -1
+
+
+class _StepPlanner:
+
+  def __init__(self, segments, elements, buckets, config: ZeroConfig):
+    self.segments = segments
+    self.k = len(segments)
+    self.elements = elements
+    self.buckets = buckets
+    self.config = config
+    work = [sum(elements[b] for b in seg.buckets) for seg in segments]
+    self.work_prefix = [0]
+    for w in work:
+      self.work_prefix.append(self.work_prefix[-1] + w)
+
+  def plan(self) -> tuple[tuple[ir.Step, ...], tuple[ir.Step, ...]]:
+    self._check_segments_fit()
+    instances = self._instances()
+    self._enforce_cap(instances)
+    k = self.k
+    fwd = [_Interval(i.bucket, i.start, k - 1 if i.keep_turn else i.end) for i in instances]
+    bwd = [_Interval(i.bucket, k - 1 - i.end, k - 1 - i.start, live_at_start=i.keep_turn)
+           for i in instances]
+    fwd_kept = {id(iv) for iv, inst in zip(fwd, instances) if inst.keep_turn}
+    self._place_gathers(fwd)
+    self._place_gathers(bwd)
+    forward = self._emit(fwd, "forward", skip_release=fwd_kept)
+    backward = self._emit(bwd, "backward", skip_release=set())
+    return forward, backward
+
+  def _distance(self, i: int, j: int) -> int:
+    """Elements of work strictly between forward segments i < j."""
+    return self.work_prefix[j] - self.work_prefix[i + 1]
+
+  def _check_segments_fit(self):
+    cap = self.config.max_live_parameters
+    for seg in self.segments:
+      need = sum(self.elements[b] for b in seg.buckets)
+      if need > cap:
+        names = "; ".join(f"bucket {b} ({self.buckets[b].module}: {self.elements[b]} elements)"
+                          for b in seg.buckets)
+        raise ScheduleError(
+            f"Segment {seg.id} ({seg.label or 'ops ' + str(seg.start)}) needs {need} gathered "
+            f"parameter elements at once ({names}), above max_live_parameters={cap}. Raise "
+            f"max_live_parameters to at least {need}, or split the module.")
+
+  def _instances(self) -> list[_Instance]:
+    uses: dict[int, list[int]] = {}
+    for seg in self.segments:
+      for b in seg.buckets:
+        uses.setdefault(b, []).append(seg.id)
+    reuse = self.config.max_reuse_distance
+    instances = []
+    for b in sorted(uses):
+      current = _Instance(b, [uses[b][0]])
+      for s in uses[b][1:]:
+        if self._distance(current.end, s) > reuse:
+          instances.append(current)
+          current = _Instance(b, [])
+        current.uses.append(s)
+      turn = 2 * (self.work_prefix[self.k] - self.work_prefix[current.end + 1])
+      current.keep_turn = turn <= reuse
+      instances.append(current)
+    return instances
+
+  def _enforce_cap(self, instances: list[_Instance]):
+    """Release kept buckets (farthest next use first) wherever live elements exceed the cap."""
+    cap = self.config.max_live_parameters
+    for t in range(self.k):
+      while True:
+        live = [i for i in instances
+                if i.start <= t <= (self.k - 1 if i.keep_turn else i.end)]
+        if sum(self.elements[i.bucket] for i in live) <= cap:
+          break
+        idle = [i for i in live if t not in i.uses]
+        victim = max(idle, key=lambda i: self._next_use(i, t))
+        self._split(instances, victim, t)
+
+  def _next_use(self, inst: _Instance, t: int) -> int:
+    later = [s for s in inst.uses if s > t]
+    return later[0] if later else 2 * self.k  # next use is in backward
+
+  def _split(self, instances, inst: _Instance, t: int):
+    if t > inst.end:
+      inst.keep_turn = False
+      return
+    tail = _Instance(inst.bucket, [s for s in inst.uses if s > t], inst.keep_turn)
+    inst.uses = [s for s in inst.uses if s < t]
+    inst.keep_turn = False
+    instances.insert(instances.index(inst) + 1, tail)
+
+  def _place_gathers(self, intervals: list[_Interval]):
+    """Gather at need, or earlier (prefetch) as DeepSpeed's lookahead window allows.
+
+    A gather needed at time g is issued at t < g when the elements of every gather needed in
+    (t, g] fit in `prefetch_bucket_size`, and live elements stay within the cap.
+    """
+    live = [0] * self.k
+    needed_at = [0] * self.k  # elements of gathers needed at each time
+    for iv in intervals:
+      for t in range(0 if iv.live_at_start else iv.need, iv.end + 1):
+        live[t] += self.elements[iv.bucket]
+      if not iv.live_at_start:
+        needed_at[iv.need] += self.elements[iv.bucket]
+    previous_end: dict[int, int] = {}
+    for iv in sorted(intervals, key=lambda iv: (iv.need, iv.bucket)):
+      lo = previous_end.get(iv.bucket, -1) + 1
+      previous_end[iv.bucket] = iv.end
+      if iv.live_at_start:
+        continue
+      size, iv.gather_at, window = self.elements[iv.bucket], iv.need, 0
+      for t in range(iv.need - 1, lo - 1, -1):
+        window += needed_at[t + 1]
+        if (window > self.config.prefetch_bucket_size
+            or live[t] + size > self.config.max_live_parameters):
+          break
+        live[t] += size
+        iv.gather_at = t
+
+  def _emit(self, intervals, phase, skip_release) -> tuple[ir.Step, ...]:
+    steps = []
+    for t in range(self.k):
+      starting = sorted((iv for iv in intervals if iv.gather_at == t),
+                        key=lambda iv: (iv.need > t, iv.need, iv.bucket))
+      steps += [ir.Step("gather", bucket=iv.bucket, prefetch=iv.need > t) for iv in starting]
+      segment = t if phase == "forward" else self.k - 1 - t
+      steps.append(ir.Step("compute", segment=segment))
+      ending = sorted((iv for iv in intervals if iv.end == t and id(iv) not in skip_release),
+                      key=lambda iv: iv.bucket)
+      if phase == "backward":
+        steps += [ir.Step("reduce_scatter", bucket=iv.bucket) for iv in ending
+                  if ir.is_float(self.buckets[iv.bucket].dtype)]
+      steps += [ir.Step("release", bucket=iv.bucket) for iv in ending]
+    return tuple(steps)

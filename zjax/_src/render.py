@@ -1,0 +1,89 @@
+"""Human-readable tables of a schedule and of the parameter-use table."""
+
+from zjax._src import ir
+
+
+def format_bytes(n: int) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    if abs(n) < 1024 or unit == "TiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    n /= 1024
+  raise AssertionError("unreachable")
+
+
+def render_schedule(s, sim) -> str:
+  """The steps as a table: step, phase, op, bucket, what, bytes, live bytes after the step."""
+  head = (f"zjax schedule v{ir.FORMAT_VERSION}: {s.num_devices} device(s), {len(s.params)} "
+          f"params ({sum(p.persistent for p in s.params)} persistent), {len(s.buckets)} "
+          f"buckets, {len(s.segments)} segments, fingerprint {s.fingerprint[:12]}")
+  rows = [("step", "phase", "op", "bucket", "what", "bytes", "live after")]
+  for phase, steps, live in (("fwd", s.forward, sim.forward_live),
+                             ("bwd", s.backward, sim.backward_live)):
+    for i, (step, live_after) in enumerate(zip(steps, live)):
+      rows.append(_step_row(s, sim, phase, i, step, live_after))
+  return head + "\n" + _table(rows)
+
+
+def _step_row(s, sim, phase, i, step, live_after):
+  if step.op == "compute":
+    seg = s.segments[step.segment]
+    what = f"segment {seg.id} ops [{seg.start},{seg.end}) {seg.label}".rstrip()
+    return (str(i), phase, "compute" if phase == "fwd" else "compute_vjp", "", what, "",
+            format_bytes(live_after))
+  bucket = s.buckets[step.bucket]
+  names = ",".join(_leaf_name(p) for p in bucket.params)
+  op = "prefetch" if step.prefetch else ("re-gather" if step.op == "gather" and phase == "bwd"
+                                         else step.op)
+  return (str(i), phase, op, str(step.bucket), f"{bucket.module or '<root>'} [{names}]",
+          format_bytes(sim.bucket_bytes[step.bucket]), format_bytes(live_after))
+
+
+def render_param_table(trace, s) -> str:
+  """Every parameter leaf: shape, dtype, layout, bucket and its uses (op, where, by whom)."""
+  rows = [("param", "shape", "dtype", "layout", "bucket", "uses", "notes")]
+  entries = {p.path: p for p in s.params}
+  for p in trace.params:
+    entry = entries[p.path]
+    layout = "replicated" if entry.persistent else f"sharded 1/{s.num_devices}"
+    uses = "; ".join(f"op {u.op} {u.primitive}" + (f" in {u.context}" if u.context else "")
+                     for u in p.uses) or "-"
+    rows.append((p.path, str(list(p.shape)), p.dtype.name, layout,
+                 "" if entry.bucket is None else str(entry.bucket), uses, _notes(p)))
+  return _table(rows)
+
+
+def _notes(p) -> str:
+  notes = []
+  if not p.uses:
+    notes.append("unused (zero gradient)")
+  elif len(p.uses) > 1:
+    notes.append(f"reused x{len(p.uses)} (gradient summed)")
+  if p.size == 0:
+    notes.append("empty")
+  elif p.shape == ():
+    notes.append("scalar")
+  if not p.is_float:
+    notes.append("non-float (no gradient)")
+  foreign = sorted({u.module for u in p.uses if u.module and not _owned_by(u.module, p.owner)})
+  if foreign:
+    notes.append("used by " + ", ".join(foreign))
+  return "; ".join(notes)
+
+
+def _owned_by(module: str, owner: str) -> bool:
+  """Compare a name stack ('GPT/Block_0/mlp.fc') with an owner path ('params/Block_0/mlp')."""
+  used = [part.split(".")[0] for part in module.split("/")[1:]]
+  owned = owner.split("/")[1:] if "/" in owner else []
+  return used[:len(owned)] == owned or not owned
+
+
+def _leaf_name(path: str) -> str:
+  return path.rsplit("[", 1)[-1].strip("]'\"")
+
+
+def _table(rows) -> str:
+  widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+  widths[-1] = 0  # no padding on the last column
+  lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+  lines.insert(1, "  ".join("-" * max(w, 1) for w in widths[:-1]) + "  " + "-" * 10)
+  return "\n".join(lines)

@@ -1,0 +1,285 @@
+"""Schedule: the validated, serialisable plan of one model on N devices.
+
+The JSON form is stable and diff-friendly (fixed key order, one list item per line) and is
+only ever parsed as data: nothing in a schedule file is executed.
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from typing import Any, Callable
+
+from zjax._src import ir, render, report, validate
+from zjax._src.config import ZeroConfig
+from zjax._src.errors import ScheduleError, ScheduleMismatchError
+from zjax._src.trace import trace_program
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Schedule:
+  """A validated ZeRO-3 schedule for one model on `num_devices` devices.
+
+  Build one with `zjax.compile_schedule` or `Schedule.load`; construction validates it, so an
+  illegal schedule cannot exist. `str(schedule)` is a table to review; `report()` gives the
+  predicted memory and communication per device per step.
+
+  Example:
+    >>> import jax.numpy as jnp, zjax
+    >>> s = zjax.compile_schedule(lambda p, x: (x @ p["w"]).mean(), {"w": jnp.ones((512, 512))},
+    ...                           jnp.ones((8, 512)), num_devices=8)
+    >>> zjax.Schedule.from_json(s.to_json()) == s
+    True
+  """
+  num_devices: int
+  config: ZeroConfig
+  num_ops: int
+  program_hash: str
+  params: tuple[ir.ParamEntry, ...]
+  buckets: tuple[ir.Bucket, ...]
+  segments: tuple[ir.Segment, ...]
+  forward: tuple[ir.Step, ...]
+  backward: tuple[ir.Step, ...]
+  fingerprint: str = ""
+
+  def __post_init__(self):
+    expected = model_fingerprint(self.params, self.num_ops, self.program_hash)
+    if not self.fingerprint:
+      object.__setattr__(self, "fingerprint", expected)
+    elif self.fingerprint != expected:
+      raise ScheduleError(
+          f"Schedule fingerprint {self.fingerprint[:12]}... does not match its own parameter "
+          f"table and program ({expected[:12]}...): the table was edited. Regenerate the "
+          f"schedule with `zjax inspect ... --save FILE` instead of editing parameters.")
+    object.__setattr__(self, "_simulation", validate.validate_schedule(self))
+
+  def __eq__(self, other):
+    return isinstance(other, Schedule) and self.to_json() == other.to_json()
+
+  def __hash__(self):
+    return hash(self.fingerprint)
+
+  def __str__(self) -> str:
+    return render.render_schedule(self, self._simulation)
+
+  def report(self) -> dict:
+    """Predicted per-device numbers for one training step, JSON-serialisable."""
+    return report.make_report(self, self._simulation)
+
+  def bucket_elements(self) -> list[int]:
+    """Gathered (padded) elements of each bucket."""
+    return validate.bucket_elements(self)
+
+  # ---- serialisation -------------------------------------------------------------------
+  def to_dict(self) -> dict:
+    return {
+        "format": ir.FORMAT_NAME,
+        "version": ir.FORMAT_VERSION,
+        "fingerprint": self.fingerprint,
+        "num_devices": self.num_devices,
+        "config": self.config.to_dict(),
+        "program": {"num_ops": self.num_ops, "hash": self.program_hash},
+        "params": [dataclasses.asdict(p) for p in self.params],
+        "buckets": [dataclasses.asdict(b) for b in self.buckets],
+        "segments": [dataclasses.asdict(s) for s in self.segments],
+        "forward": [s.to_dict() for s in self.forward],
+        "backward": [s.to_dict() for s in self.backward],
+    }
+
+  def to_json(self) -> str:
+    """Stable JSON: fixed key order, one list item per line, so that diffs read well."""
+    return _format_json(_lists(self.to_dict()))
+
+  @classmethod
+  def from_json(cls, text: str, *, source: str = "<string>") -> "Schedule":
+    """Parse and validate a schedule; errors name `source`, the field and the step."""
+    try:
+      data = json.loads(text)
+    except json.JSONDecodeError as e:
+      raise ScheduleError(f"{source} is not valid JSON (line {e.lineno}, column {e.colno}: "
+                          f"{e.msg}); the file may be truncated. Regenerate it with `zjax "
+                          f"inspect ... --save {source}`.") from None
+    try:
+      return cls(**_parse(data))
+    except ScheduleError as e:
+      raise ScheduleError(f"{source}: {e}") from None
+
+  def save(self, path) -> None:
+    """Write the JSON atomically: a failed write leaves any existing file intact."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".zjax-schedule-", suffix=".tmp")
+    try:
+      with os.fdopen(fd, "w") as f:
+        f.write(self.to_json())
+      os.replace(tmp, path)
+    except BaseException:
+      os.unlink(tmp)
+      raise
+
+  @classmethod
+  def load(cls, path) -> "Schedule":
+    path = os.fspath(path)
+    try:
+      with open(path) as f:
+        text = f.read()
+    except FileNotFoundError:
+      raise ScheduleError(f"Schedule file {path} does not exist.") from None
+    except UnicodeDecodeError:
+      raise ScheduleError(f"Schedule file {path} is not UTF-8 text.") from None
+    return cls.from_json(text, source=path)
+
+  def verify(self, loss_fn: Callable, params: Any, batch: Any) -> None:
+    """Raise ScheduleMismatchError unless this schedule was made for this model.
+
+    Compares parameter paths, shapes, dtypes and the use order of a fresh trace.
+    """
+    trace = trace_program(loss_fn, params, batch)
+    theirs = {p.path: p for p in self.params}
+    for p in trace.params:
+      mine = theirs.get(p.path)
+      found = (list(p.shape), p.dtype.name, [u.op for u in p.uses])
+      if mine is None:
+        raise ScheduleMismatchError(f"Parameter {p.path} is not in the schedule: it was made "
+                                    f"for another model. Recompile the schedule.")
+      if found != (list(mine.shape), mine.dtype, list(mine.uses)):
+        raise ScheduleMismatchError(
+            f"Parameter {p.path} differs from the schedule: model has shape {list(p.shape)} "
+            f"{p.dtype.name} used at ops {found[2]}, schedule has shape {list(mine.shape)} "
+            f"{mine.dtype} used at ops {list(mine.uses)}. Recompile the schedule.")
+    missing = sorted(set(theirs) - {p.path for p in trace.params})
+    if missing:
+      raise ScheduleMismatchError(f"The schedule has parameter(s) the model lacks: "
+                                  f"{missing[:3]}. Recompile the schedule.")
+    got = program_hash(o.primitive for o in trace.ops)
+    if got != self.program_hash or len(trace.ops) != self.num_ops:
+      raise ScheduleMismatchError(
+          f"The model's program differs from the schedule's ({len(trace.ops)} ops vs "
+          f"{self.num_ops}, hash {got[:12]} vs {self.program_hash[:12]}): same parameters, "
+          f"different computation. Recompile the schedule.")
+
+
+def model_fingerprint(params, num_ops: int, prog_hash: str) -> str:
+  """Hash of the parameter structure (paths, shapes, dtypes) and the use order."""
+  table = [[p.path, list(p.shape), p.dtype, list(p.uses)] for p in params]
+  blob = json.dumps({"params": table, "num_ops": num_ops, "program": prog_hash},
+                    separators=(",", ":"))
+  return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def program_hash(op_primitives) -> str:
+  return hashlib.sha256("\n".join(op_primitives).encode()).hexdigest()
+
+
+def _lists(data):
+  """Tuples to lists, recursively, so the JSON text does not depend on container type."""
+  if isinstance(data, dict):
+    return {k: _lists(v) for k, v in data.items()}
+  if isinstance(data, (list, tuple)):
+    return [_lists(v) for v in data]
+  return data
+
+
+def _format_json(data: dict) -> str:
+  lines = []
+  for key, value in data.items():
+    if isinstance(value, list) and value:
+      rows = ",\n".join(f"    {json.dumps(v, separators=(', ', ': '))}" for v in value)
+      lines.append(f'  "{key}": [\n{rows}\n  ]')
+    else:
+      lines.append(f'  "{key}": {json.dumps(value, separators=(", ", ": "))}')
+  return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
+# ---- parsing (data only; every field is type-checked) -----------------------------------
+
+def _parse(data) -> dict:
+  _expect(isinstance(data, dict), "the top level must be a JSON object")
+  _expect(data.get("format") == ir.FORMAT_NAME,
+          f"'format' must be {ir.FORMAT_NAME!r}, got {data.get('format')!r}")
+  version = data.get("version")
+  _expect(version == ir.FORMAT_VERSION,
+          f"'version' is {version!r}, but this zjax reads version {ir.FORMAT_VERSION}; "
+          f"regenerate the schedule with this zjax")
+  program = _field(data, "program", dict, "top level")
+  try:
+    config = ZeroConfig.from_dict(_field(data, "config", dict, "top level"))
+  except ValueError as e:
+    raise ScheduleError(f"'config': {e}") from None
+  return dict(
+      fingerprint=_field(data, "fingerprint", str, "top level"),
+      num_devices=_field(data, "num_devices", int, "top level"),
+      config=config,
+      num_ops=_field(program, "num_ops", int, "'program'"),
+      program_hash=_field(program, "hash", str, "'program'"),
+      params=tuple(_parse_param(p, i) for i, p in enumerate(_items(data, "params"))),
+      buckets=tuple(_parse_bucket(b, i) for i, b in enumerate(_items(data, "buckets"))),
+      segments=tuple(_parse_segment(s, i) for i, s in enumerate(_items(data, "segments"))),
+      forward=tuple(_parse_step(s, i, "forward") for i, s in enumerate(_items(data, "forward"))),
+      backward=tuple(_parse_step(s, i, "backward")
+                     for i, s in enumerate(_items(data, "backward"))),
+  )
+
+
+def _parse_param(p, i) -> ir.ParamEntry:
+  where = f"params[{i}]"
+  _expect(isinstance(p, dict), f"{where} must be an object")
+  return ir.ParamEntry(
+      path=_field(p, "path", str, where), shape=tuple(_int_list(p, "shape", where)),
+      dtype=_field(p, "dtype", str, where), persistent=_field(p, "persistent", bool, where),
+      bucket=_field(p, "bucket", (int, type(None)), where),
+      uses=tuple(_int_list(p, "uses", where)))
+
+
+def _parse_bucket(b, i) -> ir.Bucket:
+  where = f"buckets[{i}]"
+  _expect(isinstance(b, dict), f"{where} must be an object")
+  paths = _field(b, "params", list, where)
+  _expect(all(isinstance(x, str) for x in paths), f"{where}.params must be a list of paths")
+  return ir.Bucket(id=_field(b, "id", int, where), module=_field(b, "module", str, where),
+                   dtype=_field(b, "dtype", str, where), params=tuple(paths))
+
+
+def _parse_segment(s, i) -> ir.Segment:
+  where = f"segments[{i}]"
+  _expect(isinstance(s, dict), f"{where} must be an object")
+  return ir.Segment(id=_field(s, "id", int, where), start=_field(s, "start", int, where),
+                    end=_field(s, "end", int, where),
+                    buckets=tuple(_int_list(s, "buckets", where)),
+                    label=_field(s, "label", str, where))
+
+
+def _parse_step(s, i, phase) -> ir.Step:
+  where = f"{phase} step {i}"
+  _expect(isinstance(s, dict), f"{where} must be an object")
+  op = _field(s, "op", str, where)
+  if op == "compute":
+    return ir.Step("compute", segment=_field(s, "segment", int, where))
+  prefetch = _field(s, "prefetch", bool, where) if op == "gather" else False
+  return ir.Step(op, bucket=_field(s, "bucket", int, where), prefetch=prefetch)
+
+
+def _items(data, key) -> list:
+  return _field(data, key, list, "top level")
+
+
+def _field(obj, key, types, where):
+  if key not in obj:
+    raise ScheduleError(f"{where}: missing field {key!r}.")
+  value = obj[key]
+  ok = isinstance(value, types) and not (isinstance(value, bool) and types in (int, (int, type(None))))
+  _expect(ok, f"{where}: field {key!r} has the wrong type ({type(value).__name__}: {value!r})")
+  return value
+
+
+def _int_list(obj, key, where) -> list[int]:
+  value = _field(obj, key, list, where)
+  _expect(all(isinstance(x, int) and not isinstance(x, bool) for x in value),
+          f"{where}: field {key!r} must be a list of integers, got {value!r}")
+  return value
+
+
+def _expect(ok, message):
+  if not ok:
+    raise ScheduleError(message + ".")

@@ -1,0 +1,279 @@
+"""The trace pass: loss function -> jaxpr -> ordered table of parameter uses.
+
+The program is the loss function's jaxpr with every `jit` call inlined, so that a jitted model
+still exposes its layers. Each remaining top-level equation is one *op*, numbered in program
+order; the executor walks the same ops (via `walk_ops`), so op numbers are shared vocabulary
+between the trace, the schedule and the executor.
+
+A parameter is *used* by an op that consumes it (or a value derived from it only through
+layout ops such as reshape, transpose or a dtype cast, which are applied lazily at the use).
+Higher-order ops (scan, cond, while, remat, custom_jvp/vjp, shard_map) are single ops: a
+parameter flowing into one is used there, and the table records where inside it is used.
+"""
+
+import dataclasses
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.extend.core as jex
+import numpy as np
+
+from zjax._src.errors import TraceError
+
+# Ops that only change a value's layout or dtype: a parameter seen through them is still
+# "the parameter", and its real use is the op that consumes the result.
+LAYOUT_PRIMITIVES = frozenset(
+    {"reshape", "transpose", "convert_element_type", "squeeze", "expand_dims", "copy", "copy_p"})
+# Calls inlined into the program so that the ops inside them are visible and schedulable.
+INLINED_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call"})
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamUse:
+  """One use of a parameter: which top-level op, and where inside it."""
+  op: int
+  primitive: str  # innermost primitive that consumes the parameter
+  context: str  # nesting inside the op, e.g. "scan(length=4) > cond[branch 1]"; "" at top level
+  module: str  # name stack of the op (the module that used it), "" if unknown
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamInfo:
+  """A parameter leaf and all its uses in program order."""
+  index: int
+  path: str  # jax.tree_util.keystr of the leaf's path in params
+  keys: tuple[str, ...]  # the path as plain names, e.g. ("params", "Dense_0", "kernel")
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  uses: tuple[ParamUse, ...]
+
+  @property
+  def size(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64))
+
+  @property
+  def owner(self) -> str:
+    """The module that owns the leaf: its path without the leaf name (and NNX's `.value`)."""
+    keys = self.keys[:-1] if self.keys and self.keys[-1] == "value" else self.keys
+    return "/".join(keys[:-1])
+
+  @property
+  def is_float(self) -> bool:
+    return bool(np.issubdtype(self.dtype, np.inexact) or self.dtype.name == "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class OpInfo:
+  primitive: str
+  module: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramTrace:
+  """Result of the trace pass: parameters with their uses, and the op list."""
+  params: tuple[ParamInfo, ...]
+  ops: tuple[OpInfo, ...]
+  treedef: Any
+
+
+def trace_program(loss_fn: Callable, params: Any, batch: Any) -> ProgramTrace:
+  """Trace `loss_fn(params, batch)` and return every parameter leaf's uses in program order.
+
+  `params` and `batch` may hold concrete arrays or `jax.ShapeDtypeStruct`s.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> p = {"w": jnp.ones((3, 2))}
+    >>> t = trace_program(lambda p, x: (x @ p["w"]).sum(), p, jnp.ones((4, 3)))
+    >>> [u.primitive for u in t.params[0].uses]
+    ['dot_general']
+  """
+  path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  for path, leaf in path_leaves:
+    _check_leaf(path, leaf)
+  closed = jax.make_jaxpr(loss_fn)(params, batch)
+  _check_loss_output(closed)
+  param_vars = closed.jaxpr.invars[:len(path_leaves)]
+  walker = _Walker()
+  derived = {v: frozenset([i]) for i, v in enumerate(param_vars)}
+  for op_index, eqn, origins in walker.walk(closed.jaxpr, derived):
+    del op_index, eqn, origins  # the walker records uses as it goes
+  uses = walker.uses
+  infos = tuple(
+      ParamInfo(index=i, path=jax.tree_util.keystr(path), keys=_key_names(path),
+                shape=tuple(int(d) for d in leaf.shape), dtype=np.dtype(leaf.dtype),
+                uses=tuple(uses.get(i, ())))
+      for i, (path, leaf) in enumerate(path_leaves))
+  return ProgramTrace(params=infos, ops=tuple(walker.ops), treedef=treedef)
+
+
+def walk_ops(jaxpr: jex.Jaxpr, derived: dict) -> Iterator[tuple[int, Any, frozenset]]:
+  """Yield (op index, equation, parameter indices it uses) for the program's top-level ops.
+
+  `derived` maps jaxpr variables to the parameter indices they are (layout views of). This
+  is the single definition of op numbering, shared by the trace pass and the executor.
+  """
+  yield from _Walker().walk(jaxpr, derived)
+
+
+class _Walker:
+  """Walks a jaxpr in program order, inlining jit calls, numbering ops and recording uses."""
+
+  def __init__(self):
+    self.ops: list[OpInfo] = []
+    self.uses: dict[int, list[ParamUse]] = {}
+
+  def walk(self, jaxpr, derived, scope=""):
+    for eqn in jaxpr.eqns:
+      name = eqn.primitive.name
+      module = _join_scope(scope, str(eqn.source_info.name_stack))
+      if name in INLINED_PRIMITIVES:
+        yield from self._walk_inlined(eqn, derived, module)
+        continue
+      op_index = len(self.ops)
+      self.ops.append(OpInfo(primitive=name, module=module))
+      origins = _origins(eqn.invars, derived)
+      if name in LAYOUT_PRIMITIVES and origins:
+        for out in eqn.outvars:
+          derived[out] = origins
+        yield op_index, eqn, frozenset()
+        continue
+      self._record(op_index, module, _uses_inside(eqn, derived))
+      yield op_index, eqn, origins
+
+  def _walk_inlined(self, eqn, derived, scope):
+    sub = _closed_jaxpr_param(eqn)
+    inner = {iv: derived[v] for v, iv in zip(eqn.invars, sub.invars)
+             if isinstance(v, jex.Var) and v in derived}
+    yield from self.walk(sub, inner, scope)
+    for out, inner_out in zip(eqn.outvars, sub.outvars):
+      if isinstance(inner_out, jex.Var) and inner_out in inner:
+        derived[out] = inner[inner_out]
+
+  def _record(self, op_index, module, found):
+    for param, primitive, context in found:
+      self.uses.setdefault(param, []).append(
+          ParamUse(op=op_index, primitive=primitive, context=context, module=module))
+
+
+def _uses_inside(eqn, derived) -> list[tuple[int, str, str]]:
+  """(param, innermost primitive, context) for each parameter `eqn` consumes, deduplicated.
+
+  A parameter passed into a higher-order op is used by that op even if no branch reads it:
+  the op still needs its value, so the schedule must gather it before the op.
+  """
+  origins = _origins(eqn.invars, derived)
+  if not origins:
+    return []
+  found = []
+  subs = _sub_jaxprs(eqn)
+  for label, sub, outer_atoms in subs:
+    inner = {iv: derived[v] for v, iv in zip(outer_atoms, sub.invars)
+             if isinstance(v, jex.Var) and v in derived}
+    for param, primitive, context in _uses_in_body(sub, inner):
+      found.append((param, primitive, label + (" > " + context if context else "")))
+  seen = {p for p, _, _ in found}
+  label = subs[0][0] if subs else ""
+  for param in sorted(origins - seen):
+    found.append((param, eqn.primitive.name if not subs else "(passed through)", label))
+  return _first_per_param(found)
+
+
+def _uses_in_body(jaxpr, derived) -> list[tuple[int, str, str]]:
+  found = []
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    origins = _origins(eqn.invars, derived)
+    if not origins:
+      continue
+    if name in LAYOUT_PRIMITIVES:
+      for out in eqn.outvars:
+        derived[out] = origins
+    elif name in INLINED_PRIMITIVES:
+      sub = _closed_jaxpr_param(eqn)
+      inner = {iv: derived[v] for v, iv in zip(eqn.invars, sub.invars)
+               if isinstance(v, jex.Var) and v in derived}
+      found.extend(_uses_in_body(sub, inner))
+      for out, inner_out in zip(eqn.outvars, sub.outvars):
+        if isinstance(inner_out, jex.Var) and inner_out in inner:
+          derived[out] = inner[inner_out]
+    else:
+      found.extend(_uses_inside(eqn, derived))
+  return found
+
+
+def _sub_jaxprs(eqn) -> list[tuple[str, jex.Jaxpr, list]]:
+  """(label, body jaxpr, outer atoms aligned with the body's invars) for a higher-order op."""
+  name, params = eqn.primitive.name, eqn.params
+  if name == "cond":
+    return [(f"cond[branch {i}]", br.jaxpr, list(eqn.invars[1:]))
+            for i, br in enumerate(params["branches"])]
+  if name == "while":
+    nc, nb = params["cond_nconsts"], params["body_nconsts"]
+    carry = list(eqn.invars[nc + nb:])
+    return [("while[cond]", params["cond_jaxpr"].jaxpr, list(eqn.invars[:nc]) + carry),
+            ("while[body]", params["body_jaxpr"].jaxpr, list(eqn.invars[nc:]))]
+  label = f"scan(length={params['length']})" if name == "scan" else name
+  subs = []
+  for sub in jex.jaxprs_in_params(params):
+    if len(sub.invars) == len(eqn.invars):
+      subs.append((label, sub, list(eqn.invars)))
+  return subs[:1]
+
+
+def _join_scope(outer: str, inner: str) -> str:
+  """Name stacks inside a jit are relative to the call site."""
+  return f"{outer}/{inner}" if outer and inner else outer or inner
+
+
+def _first_per_param(found):
+  out, seen = [], set()
+  for item in found:
+    if item[0] not in seen:
+      seen.add(item[0])
+      out.append(item)
+  return out
+
+
+def _origins(atoms, derived) -> frozenset:
+  out = frozenset()
+  for a in atoms:
+    if isinstance(a, jex.Var) and a in derived:
+      out |= derived[a]
+  return out
+
+
+def _closed_jaxpr_param(eqn) -> jex.Jaxpr:
+  sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+  return sub.jaxpr if hasattr(sub, "jaxpr") else sub
+
+
+def _key_names(path) -> tuple[str, ...]:
+  names = []
+  for k in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(k, attr):
+        names.append(str(getattr(k, attr)))
+        break
+    else:
+      names.append(str(k))
+  return tuple(names)
+
+
+def _check_leaf(path, leaf):
+  if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+    raise TraceError(
+        f"Parameter {jax.tree_util.keystr(path)} is a {type(leaf).__name__}, not an array: "
+        f"every params leaf must be an array or a jax.ShapeDtypeStruct. Move constants out of "
+        f"the params pytree (close over them in loss_fn instead).")
+
+
+def _check_loss_output(closed):
+  outs = closed.out_avals
+  if len(outs) != 1 or outs[0].shape != () or not np.issubdtype(outs[0].dtype, np.inexact) \
+      and outs[0].dtype.name != "bfloat16":
+    found = ", ".join(f"{a.dtype.name}{list(a.shape)}" for a in outs) or "nothing"
+    raise TraceError(
+        f"loss_fn(params, batch) must return one scalar floating-point loss; it returned "
+        f"{found}. Reduce the loss to a scalar (e.g. .mean()) and return auxiliary outputs "
+        f"separately.")

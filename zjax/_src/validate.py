@@ -1,0 +1,238 @@
+"""Validation of a schedule: structure first, then a simulation of its steps.
+
+Every schedule passes through here, planned or loaded from a (possibly hand-edited) file. The
+simulation also yields the live-bytes trajectory used by the report and the renderer.
+"""
+
+import dataclasses
+
+from zjax._src import ir
+from zjax._src.errors import ScheduleError
+
+
+@dataclasses.dataclass(frozen=True)
+class Simulation:
+  """Live gathered parameter bytes (and gradient bytes) after each step of each phase."""
+  forward_live: tuple[int, ...]
+  backward_live: tuple[int, ...]
+  backward_grad_live: tuple[int, ...]
+  bucket_bytes: tuple[int, ...]  # gathered bytes of each bucket (compute dtype, padded)
+
+
+def validate_schedule(s) -> Simulation:
+  """Check `s` (a Schedule) and return its simulation; raise ScheduleError on any defect."""
+  _check_params(s)
+  _check_buckets(s)
+  _check_segments(s)
+  return _Simulator(s).run()
+
+
+def describe_bucket(s, bucket_id: int) -> str:
+  b = s.buckets[bucket_id]
+  names = ", ".join(p.rsplit("[", 1)[-1].strip("]'\"") for p in b.params)
+  return f"bucket {bucket_id} ({b.module or '<root>'}: {names})"
+
+
+def _check_params(s):
+  if not isinstance(s.num_devices, int) or s.num_devices < 1:
+    raise ScheduleError(f"num_devices must be a positive integer, got {s.num_devices!r}.")
+  seen = set()
+  for p in s.params:
+    if p.path in seen:
+      raise ScheduleError(f"Parameter {p.path} appears twice in the parameter table.")
+    seen.add(p.path)
+    for op in p.uses:
+      if not 0 <= op < s.num_ops:
+        raise ScheduleError(f"Parameter {p.path} is used by op {op}, outside the program's "
+                            f"{s.num_ops} ops.")
+    if p.persistent and p.bucket is not None:
+      raise ScheduleError(f"Parameter {p.path} is persistent (replicated) but also placed in "
+                          f"bucket {p.bucket}; persistent parameters are never gathered.")
+    if not p.persistent and p.uses and p.bucket is None:
+      raise ScheduleError(f"Parameter {p.path} is sharded and used but belongs to no bucket: "
+                          f"it would never be gathered. Add it to a bucket of its dtype.")
+
+
+def _check_buckets(s):
+  by_path = {p.path: p for p in s.params}
+  for i, b in enumerate(s.buckets):
+    if b.id != i:
+      raise ScheduleError(f"Bucket at position {i} has id {b.id}; ids must be 0, 1, 2, ...")
+    if not b.params:
+      raise ScheduleError(f"Bucket {i} holds no parameters; remove it.")
+    for path in b.params:
+      if path not in by_path:
+        raise ScheduleError(f"Bucket {i} names unknown parameter {path}; the parameter table "
+                            f"has no such path.")
+      p = by_path[path]
+      if p.bucket != i:
+        raise ScheduleError(f"Bucket {i} lists {path}, but that parameter's entry says bucket "
+                            f"{p.bucket}. A parameter belongs to exactly one bucket.")
+      if p.dtype != b.dtype:
+        raise ScheduleError(f"Bucket {i} has dtype {b.dtype} but holds {path} of dtype "
+                            f"{p.dtype}; a bucket holds one dtype.")
+  for p in s.params:
+    if p.bucket is not None and (p.bucket >= len(s.buckets) or p.path not in
+                                 s.buckets[p.bucket].params):
+      raise ScheduleError(f"Parameter {p.path} says bucket {p.bucket}, but that bucket does not "
+                          f"list it.")
+
+
+def _check_segments(s):
+  start = 0
+  for i, seg in enumerate(s.segments):
+    if seg.id != i or seg.start != start or seg.end < seg.start:
+      raise ScheduleError(f"Segment {i} covers ops [{seg.start}, {seg.end}); segments must be "
+                          f"numbered 0, 1, ... and cover the program's ops contiguously from "
+                          f"op {start}.")
+    start = seg.end
+  if start != s.num_ops or not s.segments:
+    raise ScheduleError(f"Segments cover ops [0, {start}) but the program has {s.num_ops} ops.")
+  used = _buckets_used_per_segment(s)
+  for seg, expected in zip(s.segments, used):
+    if tuple(sorted(seg.buckets)) != tuple(sorted(expected)):
+      raise ScheduleError(
+          f"Segment {seg.id} (ops [{seg.start}, {seg.end})) lists buckets {list(seg.buckets)}, "
+          f"but its ops use buckets {sorted(expected)} (bucket mismatch: the buckets of a "
+          f"segment follow from the parameter uses).")
+
+
+def _buckets_used_per_segment(s) -> list[set]:
+  op_to_segment = {}
+  for seg in s.segments:
+    for op in range(seg.start, seg.end):
+      op_to_segment[op] = seg.id
+  used = [set() for _ in s.segments]
+  for p in s.params:
+    if p.bucket is not None:
+      for op in p.uses:
+        used[op_to_segment[op]].add(p.bucket)
+  return used
+
+
+class _Simulator:
+  """Runs the steps on a model of the device: which buckets are gathered, which gradients
+  are pending, how many bytes are live."""
+
+  def __init__(self, s):
+    self.s = s
+    self.live: dict[int, str] = {}  # bucket -> where it was gathered
+    self.released_at: dict[int, str] = {}
+    self.pending_grad: set[int] = set()
+    self.forward_gathers = [0] * len(s.buckets)
+    self.reduce_scatters = [0] * len(s.buckets)
+    self.elements = bucket_elements(s)
+    self.bytes = [n * ir.gather_dtype(b.dtype, s.config.compute_dtype).itemsize
+                  for n, b in zip(self.elements, s.buckets)]
+    self.cap = s.config.max_live_parameters
+
+  def run(self) -> Simulation:
+    forward_live = self._run_phase("forward", self.s.forward, range(len(self.s.segments)))
+    backward_live, grad_live = [], []
+    order = range(len(self.s.segments) - 1, -1, -1)
+    backward_live = self._run_phase("backward", self.s.backward, order, grad_live)
+    self._check_end()
+    return Simulation(tuple(forward_live), tuple(backward_live), tuple(grad_live),
+                      tuple(self.bytes))
+
+  def _run_phase(self, phase, steps, segment_order, grad_live=None):
+    expected = list(segment_order)
+    live_after = []
+    for i, step in enumerate(steps):
+      where = f"{phase} step {i}"
+      self._check_step_fields(step, phase, where)
+      if step.op == "compute":
+        self._compute(step, phase, where, expected)
+      else:
+        getattr(self, "_" + step.op)(step.bucket, phase, where)
+      live_after.append(sum(self.bytes[b] for b in self.live))
+      if grad_live is not None:
+        grad_live.append(sum(self.bytes[b] for b in self.pending_grad))
+    if expected:
+      raise ScheduleError(f"The {phase} steps never compute segment(s) {expected}; each "
+                          f"segment must be computed once, in order.")
+    return live_after
+
+  def _check_step_fields(self, step, phase, where):
+    allowed = ir.FORWARD_OPS if phase == "forward" else ir.BACKWARD_OPS
+    if step.op not in allowed:
+      raise ScheduleError(f"{where}: unknown op {step.op!r}; {phase} steps are one of "
+                          f"{list(allowed)}.")
+    if step.op == "compute":
+      if not isinstance(step.segment, int) or not 0 <= step.segment < len(self.s.segments):
+        raise ScheduleError(f"{where}: compute names segment {step.segment!r}; segments are "
+                            f"0..{len(self.s.segments) - 1}.")
+    elif not isinstance(step.bucket, int) or not 0 <= step.bucket < len(self.s.buckets):
+      raise ScheduleError(f"{where}: {step.op} names bucket {step.bucket!r}; buckets are "
+                          f"0..{len(self.s.buckets) - 1}.")
+
+  def _compute(self, step, phase, where, expected):
+    seg = self.s.segments[step.segment]
+    if not expected or expected[0] != seg.id:
+      raise ScheduleError(f"{where}: computes segment {seg.id} but the next {phase} segment is "
+                          f"{expected[0] if expected else 'none'}; segments run in program "
+                          f"order (backward: reverse order), each once.")
+    expected.pop(0)
+    for b in seg.buckets:
+      if b not in self.live:
+        when = self.released_at.get(b)
+        why = (f"it was released at {when} before this use (release before last use)"
+               if when else "it was never gathered (use before gather)")
+        raise ScheduleError(f"{where} (compute segment {seg.id}, {seg.label or 'ops ' + str(seg.start)}): "
+                            f"needs {describe_bucket(self.s, b)}, but {why}. Insert a gather "
+                            f"of bucket {b} before this step.")
+      if phase == "backward" and ir.is_float(self.s.buckets[b].dtype):
+        self.pending_grad.add(b)
+
+  def _gather(self, b, phase, where):
+    if b in self.live:
+      raise ScheduleError(f"{where}: gathers {describe_bucket(self.s, b)}, which is already "
+                          f"gathered (at {self.live[b]}). Remove one of the two gathers.")
+    self.live[b] = where
+    if phase == "forward":
+      self.forward_gathers[b] += 1
+    live_elements = sum(self.elements[x] for x in self.live)
+    if live_elements > self.cap:
+      raise ScheduleError(f"{where}: gathering {describe_bucket(self.s, b)} makes "
+                          f"{live_elements} parameter elements live, above max_live_parameters="
+                          f"{self.cap}. Release something first or raise the cap.")
+
+  def _release(self, b, phase, where):
+    if b not in self.live:
+      raise ScheduleError(f"{where}: releases {describe_bucket(self.s, b)}, which is not "
+                          f"gathered.")
+    if b in self.pending_grad:
+      raise ScheduleError(f"{where}: releases {describe_bucket(self.s, b)} before its "
+                          f"gradient is reduce-scattered; reduce-scatter it first.")
+    del self.live[b]
+    self.released_at[b] = where
+
+  def _reduce_scatter(self, b, phase, where):
+    if not ir.is_float(self.s.buckets[b].dtype):
+      raise ScheduleError(f"{where}: reduce-scatters {describe_bucket(self.s, b)} of dtype "
+                          f"{self.s.buckets[b].dtype}, which has no gradient.")
+    if b not in self.pending_grad:
+      raise ScheduleError(f"{where}: reduce-scatters {describe_bucket(self.s, b)}, but no "
+                          f"backward compute has produced its gradient since the last "
+                          f"reduce-scatter.")
+    self.pending_grad.discard(b)
+    self.reduce_scatters[b] += 1
+
+  def _check_end(self):
+    if self.live:
+      b = min(self.live)
+      raise ScheduleError(f"{describe_bucket(self.s, b)} is still gathered at the end of the "
+                          f"backward steps; release it.")
+    for b, bucket in enumerate(self.s.buckets):
+      if ir.is_float(bucket.dtype) and self.reduce_scatters[b] != self.forward_gathers[b]:
+        raise ScheduleError(
+            f"{describe_bucket(self.s, b)} is gathered {self.forward_gathers[b]} time(s) in "
+            f"forward but reduce-scattered {self.reduce_scatters[b]} time(s) in backward; "
+            f"each forward gather's gradient is reduce-scattered once.")
+
+
+def bucket_elements(s) -> list[int]:
+  """Gathered (padded) elements of each bucket."""
+  by_path = {p.path: p for p in s.params}
+  return [sum(ir.padded_size(by_path[p].size, s.num_devices) for p in b.params)
+          for b in s.buckets]
