@@ -123,10 +123,16 @@ def _make_segments(trace, bucket_of) -> tuple[ir.Segment, ...]:
   segments, start = [], 0
   for i, (end, bucket_ids) in enumerate(cuts):
     label = trace.ops[first_ops[i]].module if i < len(first_ops) else ""
+    if not label and bucket_ids:  # no name stack (e.g. NNX): name the owner module instead
+      label = trace.params[_first_member(bucket_ids[0], bucket_of)].owner
     segments.append(ir.Segment(id=i, start=start, end=end, buckets=tuple(bucket_ids),
                                label=label))
     start = end
   return tuple(segments)
+
+
+def _first_member(bucket: int, bucket_of: dict[int, int]) -> int:
+  return min(i for i, b in bucket_of.items() if b == bucket)
 
 
 @dataclasses.dataclass

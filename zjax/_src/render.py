@@ -1,5 +1,7 @@
 """Human-readable tables of a schedule and of the parameter-use table."""
 
+import re
+
 from zjax._src import ir
 
 
@@ -31,9 +33,10 @@ def _step_row(s, sim, phase, i, step, live_after):
     return (str(i), phase, "compute" if phase == "fwd" else "compute_vjp", "", what, "",
             format_bytes(live_after))
   bucket = s.buckets[step.bucket]
-  names = ",".join(_leaf_name(p) for p in bucket.params)
-  op = "prefetch" if step.prefetch else ("re-gather" if step.op == "gather" and phase == "bwd"
-                                         else step.op)
+  names = ",".join(leaf_name(p) for p in bucket.params)
+  op = step.op
+  if step.op == "gather":
+    op = ("re-gather" if phase == "bwd" else "gather") + (" (prefetch)" if step.prefetch else "")
   return (str(i), phase, op, str(step.bucket), f"{bucket.module or '<root>'} [{names}]",
           format_bytes(sim.bucket_bytes[step.bucket]), format_bytes(live_after))
 
@@ -77,8 +80,16 @@ def _owned_by(module: str, owner: str) -> bool:
   return used[:len(owned)] == owned or not owned
 
 
-def _leaf_name(path: str) -> str:
-  return path.rsplit("[", 1)[-1].strip("]'\"")
+_KEY = re.compile(r"\['([^']*)'\]|\[\"([^\"]*)\"\]|\[(\d+)\]|\.(\w+)")
+
+
+def leaf_name(path: str) -> str:
+  """Last key of a keystr path, skipping NNX's trailing `.value`: "['l1']['kernel'].value" ->
+  "kernel"."""
+  keys = ["".join(m) for m in _KEY.findall(path)]
+  if len(keys) > 1 and keys[-1] == "value":
+    keys.pop()
+  return keys[-1] if keys else path
 
 
 def _table(rows) -> str:

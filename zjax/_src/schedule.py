@@ -67,6 +67,13 @@ class Schedule:
     """Predicted per-device numbers for one training step, JSON-serialisable."""
     return report.make_report(self, self._simulation)
 
+  def param(self, path: str) -> ir.ParamEntry:
+    """The entry of the parameter with keystr `path`, e.g. "['params']['Dense_0']['kernel']"."""
+    for p in self.params:
+      if p.path == path:
+        return p
+    raise KeyError(f"No parameter {path} in this schedule.")
+
   def bucket_elements(self) -> list[int]:
     """Gathered (padded) elements of each bucket."""
     return validate.bucket_elements(self)

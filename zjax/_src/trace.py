@@ -53,9 +53,10 @@ class ParamInfo:
 
   @property
   def owner(self) -> str:
-    """The module that owns the leaf: its path without the leaf name (and NNX's `.value`)."""
-    keys = self.keys[:-1] if self.keys and self.keys[-1] == "value" else self.keys
-    return "/".join(keys[:-1])
+    """The module that owns the leaf: its path without the leaf name (and NNX's `.value`).
+    A leaf at the top of the params tree is a unit of its own."""
+    keys = self.keys[:-1] if len(self.keys) > 1 and self.keys[-1] == "value" else self.keys
+    return "/".join(keys[:-1] if len(keys) > 1 else keys)
 
   @property
   def is_float(self) -> bool:

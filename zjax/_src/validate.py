@@ -29,8 +29,7 @@ def validate_schedule(s) -> Simulation:
 
 def describe_bucket(s, bucket_id: int) -> str:
   b = s.buckets[bucket_id]
-  names = ", ".join(p.rsplit("[", 1)[-1].strip("]'\"") for p in b.params)
-  return f"bucket {bucket_id} ({b.module or '<root>'}: {names})"
+  return f"bucket {bucket_id} ({b.module or '<root>'}: {', '.join(b.params)})"
 
 
 def _check_params(s):

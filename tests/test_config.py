@@ -1,0 +1,68 @@
+import dataclasses
+
+import jax.numpy as jnp
+import pytest
+
+import zjax
+
+
+def test_defaults_are_deepspeeds():
+  cfg = zjax.ZeroConfig()
+  assert cfg.prefetch_bucket_size == 50_000_000
+  assert cfg.max_live_parameters == 1_000_000_000
+  assert cfg.max_reuse_distance == 1_000_000_000
+  assert cfg.param_persistence_threshold == 100_000
+  assert cfg.sub_group_size == 1_000_000_000
+  assert cfg.compute_dtype is None
+  assert cfg.axis_name == "fsdp"
+
+
+def test_frozen_and_keyword_only():
+  cfg = zjax.ZeroConfig()
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    cfg.max_live_parameters = 3
+  with pytest.raises(TypeError):
+    zjax.ZeroConfig(5)  # positional
+
+
+def test_accepts_deepspeed_style_floats():
+  cfg = zjax.ZeroConfig(prefetch_bucket_size=5e7, sub_group_size=1e9)
+  assert cfg.prefetch_bucket_size == 50_000_000 and isinstance(cfg.prefetch_bucket_size, int)
+
+
+@pytest.mark.parametrize("field,value,rule", [
+    ("prefetch_bucket_size", -1, ">= 0"),
+    ("max_live_parameters", 0, "> 0"),
+    ("max_live_parameters", -5, "> 0"),
+    ("max_reuse_distance", -1, ">= 0"),
+    ("param_persistence_threshold", -1, ">= 0"),
+    ("sub_group_size", 0, "> 0"),
+    ("sub_group_size", "big", "number of parameter elements"),
+    ("prefetch_bucket_size", 1.5, "whole number"),
+    ("max_live_parameters", float("inf"), "whole number"),
+    ("max_reuse_distance", True, "number of parameter elements"),
+    ("compute_dtype", jnp.int32, "floating dtype"),
+    ("compute_dtype", "not-a-dtype", "floating dtype"),
+    ("axis_name", "", "non-empty string"),
+    ("axis_name", 3, "non-empty string"),
+])
+def test_invalid_values_name_field_and_rule(field, value, rule):
+  with pytest.raises(ValueError) as e:
+    zjax.ZeroConfig(**{field: value})
+  assert field in str(e.value) and rule in str(e.value)
+
+
+def test_zero_allowed_where_meaningful():
+  cfg = zjax.ZeroConfig(prefetch_bucket_size=0, max_reuse_distance=0,
+                        param_persistence_threshold=0)
+  assert (cfg.prefetch_bucket_size, cfg.max_reuse_distance, cfg.param_persistence_threshold) \
+      == (0, 0, 0)
+
+
+def test_dict_round_trip_and_unknown_field():
+  cfg = zjax.ZeroConfig(compute_dtype=jnp.bfloat16, max_reuse_distance=7)
+  data = cfg.to_dict()
+  assert data["compute_dtype"] == "bfloat16"
+  assert zjax.ZeroConfig.from_dict(data) == cfg
+  with pytest.raises(ValueError, match="prefetch_bucket_sizes"):
+    zjax.ZeroConfig.from_dict({"prefetch_bucket_sizes": 1})

@@ -1,0 +1,1 @@
+"""Command-line interface: `zjax inspect` (more subcommands arrive with later features)."""

@@ -1,0 +1,79 @@
+"""`zjax inspect TARGET`: print the parameter-use table, the schedule and its report."""
+
+import argparse
+import dataclasses
+import json
+import time
+
+import jax
+
+from zjax._src import render
+from zjax._src.config import ZeroConfig
+from zjax._src.plan import plan_schedule
+from zjax._src.trace import trace_program
+from zjax.cli.target import load_target
+
+_KNOBS = ("prefetch_bucket_size", "max_live_parameters", "max_reuse_distance",
+          "param_persistence_threshold", "sub_group_size")
+
+
+def add_parser(subparsers) -> None:
+  p = subparsers.add_parser(
+      "inspect", help="plan and print the ZeRO-3 schedule of a loss function",
+      description="TARGET is PATH.py:FUNCTION or MODULE:FUNCTION; the function returns "
+                  "(loss_fn, params, batch) or (loss_fn, params, batch, ZeroConfig), where "
+                  "params and batch may be jax.ShapeDtypeStructs. Planning is analytic: "
+                  "--devices may exceed the devices present.")
+  p.add_argument("target")
+  p.add_argument("--devices", type=int, default=None,
+                 help="number of devices N to plan for (default: devices present)")
+  p.add_argument("--json", metavar="FILE", help="write {report, schedule} as JSON to FILE")
+  p.add_argument("--save", metavar="FILE", help="write the schedule (loadable JSON) to FILE")
+  p.add_argument("--summary", action="store_true", help="print only the report")
+  for knob in _KNOBS:
+    p.add_argument("--" + knob.replace("_", "-"), type=float, default=None,
+                   help=f"override ZeroConfig.{knob} (elements)")
+  p.add_argument("--compute-dtype", default=None, help="override ZeroConfig.compute_dtype")
+  p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+  target = load_target(args.target)
+  config = _config(target.config, args)
+  devices = jax.device_count() if args.devices is None else args.devices
+  if devices < 1:
+    raise ValueError(f"--devices must be >= 1, got {devices}.")
+  start = time.perf_counter()
+  trace = trace_program(target.loss_fn, target.params, target.batch)
+  schedule = plan_schedule(trace, config, devices)
+  seconds = time.perf_counter() - start
+  report = schedule.report()
+  if not args.summary:
+    print(render.render_param_table(trace, schedule), end="\n\n")
+    print(schedule, end="\n\n")
+  print(_format_report(report))
+  print(f"trace + plan: {seconds:.2f} s")
+  if args.save:
+    schedule.save(args.save)
+    print(f"schedule written to {args.save}")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"report": report, "schedule": schedule.to_dict()}, f, indent=1)
+    print(f"report + schedule written to {args.json}")
+  return 0
+
+
+def _config(base: ZeroConfig | None, args) -> ZeroConfig:
+  overrides = {k: getattr(args, k) for k in _KNOBS if getattr(args, k) is not None}
+  if args.compute_dtype is not None:
+    overrides["compute_dtype"] = args.compute_dtype
+  return dataclasses.replace(base or ZeroConfig(), **overrides)
+
+
+def _format_report(report: dict) -> str:
+  width = max(len(k) for k in report)
+  lines = ["report (per device, per training step):"]
+  for key, value in report.items():
+    shown = f"{value}  ({render.format_bytes(value)})" if "bytes" in key else value
+    lines.append(f"  {key.ljust(width)}  {shown}")
+  return "\n".join(lines)

@@ -1,0 +1,29 @@
+"""The `zjax` command."""
+
+import argparse
+import sys
+
+from zjax._src.errors import ZjaxError
+from zjax.cli import inspect_cmd
+from zjax.cli.target import TargetError
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog="zjax", description="ZeRO-3 fully sharded data parallelism for JAX.")
+  subparsers = parser.add_subparsers(dest="command", required=True)
+  inspect_cmd.add_parser(subparsers)
+  return parser
+
+
+def main(argv=None) -> int:
+  args = build_parser().parse_args(argv)
+  try:
+    return args.run(args)
+  except (ZjaxError, TargetError, ValueError, TypeError) as e:
+    print(f"zjax {args.command}: error: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())
