@@ -74,10 +74,16 @@ def _notes(p) -> str:
 
 
 def _owned_by(module: str, owner: str) -> bool:
-  """Compare a name stack ('GPT/Block_0/mlp.fc') with an owner path ('params/Block_0/mlp')."""
+  """Whether a use's name stack ('GPT/block_0/mlp.fc') lies on the owner's module path
+  ('params/block_0/mlp'). A higher-order op (scan, remat) carries its parent's name stack,
+  so an ancestor of the owner counts as the owner. Without a linen 'params' collection in
+  the path there is no module path to compare."""
+  parts = owner.split("/")
+  if "params" not in parts:
+    return True
+  owned = parts[parts.index("params") + 1:]
   used = [part.split(".")[0] for part in module.split("/")[1:]]
-  owned = owner.split("/")[1:] if "/" in owner else []
-  return used[:len(owned)] == owned or not owned
+  return used[:len(owned)] == owned or owned[:len(used)] == used
 
 
 _KEY = re.compile(r"\['([^']*)'\]|\[\"([^\"]*)\"\]|\[(\d+)\]|\.(\w+)")

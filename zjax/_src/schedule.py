@@ -120,6 +120,7 @@ class Schedule:
     try:
       with os.fdopen(fd, "w") as f:
         f.write(self.to_json())
+      os.chmod(tmp, _default_file_mode())  # mkstemp creates 0600; a schedule is shareable
       os.replace(tmp, path)
     except BaseException:
       os.unlink(tmp)
@@ -165,6 +166,12 @@ class Schedule:
           f"The model's program differs from the schedule's ({len(trace.ops)} ops vs "
           f"{self.num_ops}, hash {got[:12]} vs {self.program_hash[:12]}): same parameters, "
           f"different computation. Recompile the schedule.")
+
+
+def _default_file_mode() -> int:
+  umask = os.umask(0)
+  os.umask(umask)
+  return 0o666 & ~umask
 
 
 def model_fingerprint(params, num_ops: int, prog_hash: str) -> str:

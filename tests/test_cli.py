@@ -1,0 +1,85 @@
+"""`zjax inspect`: output, files, and clear errors for bad targets."""
+
+import json
+import pathlib
+import re
+import shutil
+import subprocess
+
+import pytest
+
+import zjax
+from zjax.cli.main import main
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+GPT = str(ROOT / "examples/gpt.py") + ":inspect_gpt"
+
+
+def run(capsys, *argv):
+  code = main(list(argv))
+  out = capsys.readouterr()
+  return code, out.out, out.err
+
+
+def test_inspect_prints_tables_and_report(capsys):
+  code, out, _ = run(capsys, "inspect", GPT, "--devices", "8")
+  assert code == 0
+  assert "['params']['embed']['embedding']" in out and "reused x2" in out  # use table
+  assert "zjax schedule v1: 8 device(s)" in out and "reduce_scatter" in out  # schedule
+  assert "all_gather_count" in out and "trace + plan:" in out  # report
+
+
+def test_inspect_plans_for_more_devices_than_present(capsys, tmp_path):
+  report_file = tmp_path / "r.json"
+  code, out, _ = run(capsys, "inspect", GPT, "--devices", "1024", "--summary",
+                     "--json", str(report_file))
+  assert code == 0 and "zjax schedule" not in out
+  data = json.loads(report_file.read_text())
+  assert data["report"]["num_devices"] == 1024 and data["schedule"]["num_devices"] == 1024
+  assert zjax.Schedule.from_json(json.dumps(data["schedule"])).report() == data["report"]
+
+
+def test_inspect_save_and_knob_overrides(capsys, tmp_path):
+  path = tmp_path / "s.json"
+  code, _, _ = run(capsys, "inspect", GPT, "--devices", "8", "--summary", "--save", str(path),
+                   "--prefetch-bucket-size", "0", "--param-persistence-threshold", "1e9")
+  assert code == 0
+  s = zjax.Schedule.load(path)
+  assert s.config.prefetch_bucket_size == 0 and s.report()["all_gather_count"] == 0
+
+
+@pytest.mark.parametrize("target,message", [
+    ("examples/missing.py:f", "does not exist"),
+    ("examples/gpt.py:no_such_function", "has no function 'no_such_function'"),
+    ("examples/gpt.py:GPTConfig", "must return (loss_fn, params, batch)"),
+    ("examples/gpt.py", "must look like PATH.py:FUNCTION"),
+    ("no_such_module_zz:f", "Cannot import module 'no_such_module_zz'"),
+])
+def test_bad_targets_fail_clearly(capsys, monkeypatch, target, message):
+  monkeypatch.chdir(ROOT)
+  code, _, err = run(capsys, "inspect", target)
+  assert code == 2 and message in err
+
+
+def test_wrong_return_items(capsys, tmp_path):
+  bad = tmp_path / "bad.py"
+  bad.write_text("def notfn():\n  return (1, {}, {})\n"
+                 "def badcfg():\n  return (lambda p, b: 0.0, {}, {}, {'x': 1})\n")
+  code, _, err = run(capsys, "inspect", f"{bad}:notfn")
+  assert code == 2 and "first item must be the loss function" in err
+  code, _, err = run(capsys, "inspect", f"{bad}:badcfg")
+  assert code == 2 and "fourth item must be a zjax.ZeroConfig" in err
+
+
+def test_bad_knob_value(capsys):
+  code, _, err = run(capsys, "inspect", GPT, "--max-live-parameters", "0")
+  assert code == 2 and "max_live_parameters must be > 0" in err
+
+
+def test_console_script_is_installed():
+  exe = shutil.which("zjax")
+  assert exe, "the zjax console script is not on PATH: install the package (pip install -e .)"
+  done = subprocess.run([exe, "inspect", GPT, "--devices", "16", "--summary"],
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr
+  assert re.search(r"num_devices\s+16\n", done.stdout)

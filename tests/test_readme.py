@@ -1,0 +1,20 @@
+"""The README stays true: its API example runs, and CI runs exactly its test command."""
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def test_api_example_runs(tmp_path, monkeypatch, capsys):
+  (code,) = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+  monkeypatch.chdir(tmp_path)
+  exec(compile(code, "README.md", "exec"), {})
+  assert "zjax schedule v1: 8 device(s)" in capsys.readouterr().out
+
+
+def test_ci_runs_the_readme_test_command():
+  ci = (ROOT / ".ci/run").read_text()
+  test_command = re.search(r"The tests .*?\n\n```\n(.*?)\n```", README, flags=re.S).group(1)
+  assert test_command.strip() in ci.splitlines()

@@ -1,0 +1,229 @@
+"""Schedule as data: JSON round trip, files, fingerprints, and rejection of illegal edits."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import zjax
+
+D = 64
+
+
+def model(num_layers=3, width=D):
+  params = {f"layer{i}": {"kernel": jax.ShapeDtypeStruct((width, width), jnp.float32),
+                          "bias": jax.ShapeDtypeStruct((width,), jnp.float32)}
+            for i in range(num_layers)}
+
+  def loss(p, x):
+    for i in range(num_layers):
+      x = jnp.tanh(x @ p[f"layer{i}"]["kernel"] + p[f"layer{i}"]["bias"])
+    return x.mean()
+
+  return loss, params, jax.ShapeDtypeStruct((8, width), jnp.float32)
+
+
+CONFIG = zjax.ZeroConfig(param_persistence_threshold=D, prefetch_bucket_size=D * D,
+                         max_reuse_distance=0)
+
+
+@pytest.fixture
+def schedule():
+  return zjax.compile_schedule(*model(), num_devices=8, config=CONFIG)
+
+
+def edited(schedule, edit):
+  data = json.loads(schedule.to_json())
+  edit(data)
+  return json.dumps(data)
+
+
+def test_json_round_trip_is_textually_equal(schedule):
+  text = schedule.to_json()
+  again = zjax.Schedule.from_json(text)
+  assert again.to_json() == text
+  assert again == schedule and again.report() == schedule.report()
+  assert str(again) == str(schedule)
+
+
+def test_json_is_versioned_and_diff_friendly(schedule):
+  text = schedule.to_json()
+  data = json.loads(text)
+  assert data["format"] == "zjax-schedule" and data["version"] == 1
+  assert len(data["fingerprint"]) == 64
+  # one step per line: a moved gather is a one-line diff
+  assert text.count('{"op": ') == len(schedule.forward) + len(schedule.backward)
+  assert list(data) == ["format", "version", "fingerprint", "num_devices", "config", "program",
+                        "params", "buckets", "segments", "forward", "backward"]
+
+
+def test_planning_is_deterministic():
+  a = zjax.compile_schedule(*model(), num_devices=8, config=CONFIG)
+  b = zjax.compile_schedule(*model(), num_devices=8, config=CONFIG)
+  assert a.to_json() == b.to_json()
+
+
+def test_save_and_load(tmp_path, schedule):
+  path = tmp_path / "s.json"
+  schedule.save(path)
+  assert zjax.Schedule.load(path) == schedule
+  assert [p.name for p in tmp_path.iterdir()] == ["s.json"]  # no temp files left behind
+
+
+def test_failed_save_keeps_the_old_file(tmp_path, schedule, monkeypatch):
+  path = tmp_path / "s.json"
+  schedule.save(path)
+  before = path.read_text()
+
+  def broken(self):
+    raise RuntimeError("disk full")
+
+  monkeypatch.setattr(zjax.Schedule, "to_json", broken)
+  with pytest.raises(RuntimeError):
+    schedule.save(path)
+  assert path.read_text() == before
+  assert [p.name for p in tmp_path.iterdir()] == ["s.json"]
+
+
+def test_missing_and_truncated_files(tmp_path, schedule):
+  with pytest.raises(zjax.ScheduleError, match="does not exist"):
+    zjax.Schedule.load(tmp_path / "nope.json")
+  path = tmp_path / "cut.json"
+  path.write_text(schedule.to_json()[:500])
+  with pytest.raises(zjax.ScheduleError, match=r"cut.json is not valid JSON .*truncated"):
+    zjax.Schedule.load(path)
+
+
+def test_wrong_format_or_version(schedule):
+  with pytest.raises(zjax.ScheduleError, match="'version' is 99"):
+    zjax.Schedule.from_json(edited(schedule, lambda d: d.update(version=99)))
+  with pytest.raises(zjax.ScheduleError, match="'format' must be"):
+    zjax.Schedule.from_json(edited(schedule, lambda d: d.update(format="pickle")))
+  with pytest.raises(zjax.ScheduleError, match="top level must be a JSON object"):
+    zjax.Schedule.from_json("[1, 2]")
+
+
+def test_wrong_types_and_missing_fields(schedule):
+  with pytest.raises(zjax.ScheduleError, match=r"forward step 0: field 'bucket' has the wrong"):
+    zjax.Schedule.from_json(edited(schedule, lambda d: d["forward"][0].update(bucket="0")))
+  with pytest.raises(zjax.ScheduleError, match=r"segments\[1\]: missing field 'end'"):
+    zjax.Schedule.from_json(edited(schedule, lambda d: d["segments"][1].pop("end")))
+  with pytest.raises(zjax.ScheduleError, match="'config'.*max_live_parameters"):
+    zjax.Schedule.from_json(edited(schedule, lambda d: d["config"].update(max_live_parameters=0)))
+
+
+def test_edited_parameter_table_breaks_the_fingerprint(schedule):
+  def grow(d):
+    d["params"][1]["shape"] = [D, D + 1]
+  with pytest.raises(zjax.ScheduleError, match="fingerprint .* does not match"):
+    zjax.Schedule.from_json(edited(schedule, grow))
+
+
+def first(steps, op, bucket=None):
+  return next(i for i, s in enumerate(steps)
+              if s["op"] == op and (bucket is None or s.get("bucket") == bucket))
+
+
+def test_use_before_gather_names_step_and_params(schedule):
+  def drop_first_gather(d):
+    d["forward"].pop(first(d["forward"], "gather", 0))
+  with pytest.raises(zjax.ScheduleError) as e:
+    zjax.Schedule.from_json(edited(schedule, drop_first_gather), source="my.json")
+  msg = str(e.value)
+  assert msg.startswith("my.json: forward step") and "use before gather" in msg
+  assert "['layer0']['kernel']" in msg
+
+
+def test_release_before_last_use(schedule):
+  def early_release(d):
+    fwd = d["forward"]
+    i = first(fwd, "release", 1)
+    step = fwd.pop(i)
+    fwd.insert(first(fwd, "compute"), step)  # before the first compute: layer1 is needed later
+  with pytest.raises(zjax.ScheduleError, match=r"release before last use|not gathered"):
+    zjax.Schedule.from_json(edited(schedule, early_release))
+
+
+def test_unknown_parameter_in_bucket(schedule):
+  with pytest.raises(zjax.ScheduleError, match=r"unknown parameter \['layer9'\]"):
+    zjax.Schedule.from_json(edited(schedule, lambda d: d["buckets"][0].update(
+        params=["['layer9']['kernel']"])))
+
+
+def test_bucket_mismatch_in_segment(schedule):
+  def swap(d):
+    seg = next(s for s in d["segments"] if s["buckets"])
+    seg["buckets"] = [(seg["buckets"][0] + 1) % len(d["buckets"])]
+  with pytest.raises(zjax.ScheduleError, match="bucket mismatch"):
+    zjax.Schedule.from_json(edited(schedule, swap))
+
+
+def test_cap_is_enforced_on_hand_edits(schedule):
+  with pytest.raises(zjax.ScheduleError, match="above max_live_parameters=10"):
+    zjax.Schedule.from_json(edited(schedule, lambda d: d["config"].update(
+        max_live_parameters=10)))
+
+
+def test_missing_reduce_scatter_and_double_gather(schedule):
+  def drop_rs(d):
+    i = first(d["backward"], "reduce_scatter")
+    d["backward"].pop(i)
+  with pytest.raises(zjax.ScheduleError, match="before its gradient is reduce-scattered"):
+    zjax.Schedule.from_json(edited(schedule, drop_rs))
+
+  def double(d):
+    i = first(d["forward"], "gather")
+    d["forward"].insert(i, dict(d["forward"][i]))
+  with pytest.raises(zjax.ScheduleError, match="already gathered"):
+    zjax.Schedule.from_json(edited(schedule, double))
+
+
+def test_unknown_op_and_out_of_order_compute(schedule):
+  with pytest.raises(zjax.ScheduleError, match="unknown op 'eval'"):
+    zjax.Schedule.from_json(edited(schedule, lambda d: d["forward"][0].update(op="eval")))
+
+  def reorder(d):
+    computes = [i for i, s in enumerate(d["forward"]) if s["op"] == "compute"]
+    a, b = computes[0], computes[1]
+    d["forward"][a], d["forward"][b] = d["forward"][b], d["forward"][a]
+  with pytest.raises(zjax.ScheduleError, match="segments run in program order"):
+    zjax.Schedule.from_json(edited(schedule, reorder))
+
+
+def test_legal_hand_edit_is_accepted(schedule):
+  """Moving a gather one step earlier (a manual prefetch) is legal and changes the report."""
+  def prefetch_more(d):
+    fwd = d["forward"]
+    i = first(fwd, "gather", 2)
+    step = fwd.pop(i)
+    step["prefetch"] = True
+    fwd.insert(i - 1, step)
+  s = zjax.Schedule.from_json(edited(schedule, prefetch_more))
+  assert s.report()["prefetch_count"] >= schedule.report()["prefetch_count"]
+
+
+def test_verify_accepts_the_model_and_rejects_others(schedule):
+  loss, params, batch = model()
+  schedule.verify(loss, params, batch)
+  with pytest.raises(zjax.ScheduleMismatchError,
+                     match=r"\['layer0'\]\['bias'\] differs.*shape \[72\]"):
+    schedule.verify(*model(width=D + 8)[:2], jax.ShapeDtypeStruct((8, D + 8), jnp.float32))
+  with pytest.raises(zjax.ScheduleMismatchError, match="lacks"):
+    schedule.verify(*model(num_layers=2))
+  with pytest.raises(zjax.ScheduleMismatchError, match="not in the schedule"):
+    schedule.verify(*model(num_layers=4))
+
+  def other_activation(p, x):
+    for i in range(3):
+      x = jax.nn.relu(x @ p[f"layer{i}"]["kernel"] + p[f"layer{i}"]["bias"])
+    return x.mean()
+  with pytest.raises(zjax.ScheduleMismatchError):
+    schedule.verify(other_activation, params, batch)
+
+
+def test_fingerprint_depends_on_model_not_on_knobs():
+  a = zjax.compile_schedule(*model(), num_devices=8, config=CONFIG)
+  b = zjax.compile_schedule(*model(), num_devices=4, config=zjax.ZeroConfig())
+  c = zjax.compile_schedule(*model(num_layers=4), num_devices=8, config=CONFIG)
+  assert a.fingerprint == b.fingerprint != c.fingerprint
