@@ -1,9 +1,7 @@
 """The trace pass: loss function -> jaxpr -> ordered table of parameter uses.
 
-The program is the loss function's jaxpr with every `jit` call inlined, so that a jitted model
-still exposes its layers. Each remaining top-level equation is one *op*, numbered in program
-order; the executor walks the same ops (via `walk_ops`), so op numbers are shared vocabulary
-between the trace, the schedule and the executor.
+The program is the loss function's jaxpr flattened into numbered ops (see program.py); the
+executor runs the same list, so op numbers are shared by the trace, schedule and executor.
 
 A parameter is *used* by an op that consumes it (or a value derived from it only through
 layout ops such as reshape, transpose or a dtype cast, which are applied lazily at the use).
@@ -12,20 +10,19 @@ parameter flowing into one is used there, and the table records where inside it 
 """
 
 import dataclasses
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import jax
 import jax.extend.core as jex
 import numpy as np
 
 from zjax._src.errors import TraceError
+from zjax._src.program import INLINED_PRIMITIVES, FlatProgram, flatten_program
 
 # Ops that only change a value's layout or dtype: a parameter seen through them is still
 # "the parameter", and its real use is the op that consumes the result.
 LAYOUT_PRIMITIVES = frozenset(
     {"reshape", "transpose", "convert_element_type", "squeeze", "expand_dims", "copy", "copy_p"})
-# Calls inlined into the program so that the ops inside them are visible and schedulable.
-INLINED_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +68,12 @@ class OpInfo:
 
 @dataclasses.dataclass(frozen=True)
 class ProgramTrace:
-  """Result of the trace pass: parameters with their uses, and the op list."""
+  """Result of the trace pass: parameters with their uses, the op list, and the flattened
+  program itself (what the executor runs)."""
   params: tuple[ParamInfo, ...]
   ops: tuple[OpInfo, ...]
   treedef: Any
+  program: FlatProgram = dataclasses.field(compare=False, repr=False, default=None)
 
 
 def trace_program(loss_fn: Callable, params: Any, batch: Any) -> ProgramTrace:
@@ -94,67 +93,48 @@ def trace_program(loss_fn: Callable, params: Any, batch: Any) -> ProgramTrace:
     _check_leaf(path, leaf)
   closed = jax.make_jaxpr(loss_fn)(params, batch)
   _check_loss_output(closed)
-  param_vars = closed.jaxpr.invars[:len(path_leaves)]
-  walker = _Walker()
-  derived = {v: frozenset([i]) for i, v in enumerate(param_vars)}
-  for op_index, eqn, origins in walker.walk(closed.jaxpr, derived):
-    del op_index, eqn, origins  # the walker records uses as it goes
-  uses = walker.uses
+  program = flatten_program(closed)
+  uses = _find_uses(program, len(path_leaves))
   infos = tuple(
       ParamInfo(index=i, path=jax.tree_util.keystr(path), keys=_key_names(path),
                 shape=tuple(int(d) for d in leaf.shape), dtype=np.dtype(leaf.dtype),
                 uses=tuple(uses.get(i, ())))
       for i, (path, leaf) in enumerate(path_leaves))
-  return ProgramTrace(params=infos, ops=tuple(walker.ops), treedef=treedef)
+  ops = tuple(OpInfo(primitive=op.primitive, module=op.module) for op in program.ops)
+  return ProgramTrace(params=infos, ops=ops, treedef=treedef, program=program)
 
 
-def walk_ops(jaxpr: jex.Jaxpr, derived: dict) -> Iterator[tuple[int, Any, frozenset]]:
-  """Yield (op index, equation, parameter indices it uses) for the program's top-level ops.
+def param_views(program: FlatProgram, num_params: int) -> dict[int, frozenset]:
+  """Value id -> indices of the parameters it is a layout view of (the parameters'
+  own ids included). Ops that make such views are not uses: they are applied lazily."""
+  views = {program.input_ids[i]: frozenset([i]) for i in range(num_params)}
+  for op in program.ops:
+    origins = _view_origins(op.inputs, views)
+    if origins and op.primitive in LAYOUT_PRIMITIVES:
+      views.update((out, origins) for out in op.outputs)
+  return views
 
-  `derived` maps jaxpr variables to the parameter indices they are (layout views of). This
-  is the single definition of op numbering, shared by the trace pass and the executor.
-  """
-  yield from _Walker().walk(jaxpr, derived)
+
+def _view_origins(inputs, views) -> frozenset:
+  out = frozenset()
+  for i in inputs:
+    if isinstance(i, int) and i in views:
+      out |= views[i]
+  return out
 
 
-class _Walker:
-  """Walks a jaxpr in program order, inlining jit calls, numbering ops and recording uses."""
-
-  def __init__(self):
-    self.ops: list[OpInfo] = []
-    self.uses: dict[int, list[ParamUse]] = {}
-
-  def walk(self, jaxpr, derived, scope=""):
-    for eqn in jaxpr.eqns:
-      name = eqn.primitive.name
-      module = _join_scope(scope, str(eqn.source_info.name_stack))
-      if name in INLINED_PRIMITIVES:
-        yield from self._walk_inlined(eqn, derived, module)
-        continue
-      op_index = len(self.ops)
-      self.ops.append(OpInfo(primitive=name, module=module))
-      origins = _origins(eqn.invars, derived)
-      if name in LAYOUT_PRIMITIVES and origins:
-        for out in eqn.outvars:
-          derived[out] = origins
-        yield op_index, eqn, frozenset()
-        continue
-      self._record(op_index, module, _uses_inside(eqn, derived))
-      yield op_index, eqn, origins
-
-  def _walk_inlined(self, eqn, derived, scope):
-    sub = _closed_jaxpr_param(eqn)
-    inner = {iv: derived[v] for v, iv in zip(eqn.invars, sub.invars)
-             if isinstance(v, jex.Var) and v in derived}
-    yield from self.walk(sub, inner, scope)
-    for out, inner_out in zip(eqn.outvars, sub.outvars):
-      if isinstance(inner_out, jex.Var) and inner_out in inner:
-        derived[out] = inner[inner_out]
-
-  def _record(self, op_index, module, found):
-    for param, primitive, context in found:
-      self.uses.setdefault(param, []).append(
-          ParamUse(op=op_index, primitive=primitive, context=context, module=module))
+def _find_uses(program: FlatProgram, num_params: int) -> dict[int, list[ParamUse]]:
+  views = param_views(program, num_params)
+  uses: dict[int, list[ParamUse]] = {}
+  for index, op in enumerate(program.ops):
+    if op.primitive in LAYOUT_PRIMITIVES or not _view_origins(op.inputs, views):
+      continue
+    by_var = {v: views[i] for v, i in zip(op.eqn.invars, op.inputs)
+              if isinstance(i, int) and i in views}
+    for param, primitive, context in _uses_inside(op.eqn, by_var):
+      uses.setdefault(param, []).append(
+          ParamUse(op=index, primitive=primitive, context=context, module=op.module))
+  return uses
 
 
 def _uses_inside(eqn, derived) -> list[tuple[int, str, str]]:
@@ -220,11 +200,6 @@ def _sub_jaxprs(eqn) -> list[tuple[str, jex.Jaxpr, list]]:
     if len(sub.invars) == len(eqn.invars):
       subs.append((label, sub, list(eqn.invars)))
   return subs[:1]
-
-
-def _join_scope(outer: str, inner: str) -> str:
-  """Name stacks inside a jit are relative to the call site."""
-  return f"{outer}/{inner}" if outer and inner else outer or inner
 
 
 def _first_per_param(found):
