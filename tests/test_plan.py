@@ -63,15 +63,25 @@ def test_buckets_hold_one_dtype():
 def test_every_use_preceded_by_gather_in_both_phases():
   s = plan(prefetch_bucket_size=0, max_reuse_distance=0)
   live = set()
-  for phase in (s.forward, s.backward):
-    for step in phase:
+  for phase, steps in (("forward", s.forward), ("backward", s.backward)):
+    for step in steps:
       if step.op == "gather":
         live.add(step.bucket)
       elif step.op == "release":
         live.remove(step.bucket)
       elif step.op == "compute":
-        assert set(s.segments[step.segment].buckets) <= live
+        seg = s.segments[step.segment]
+        assert set(seg.buckets if phase == "forward" else seg.backward_buckets) <= live
   assert not live
+
+
+def test_backward_buckets_are_what_the_vjp_reads():
+  """d(x @ W)/dW needs x only: the first layer (input = batch) never needs W in backward;
+  later layers need W for the activation cotangent."""
+  s = plan()
+  first, *rest = [seg for seg in s.segments if seg.buckets]
+  assert first.buckets == (0,) and first.backward_buckets == ()
+  assert all(seg.backward_buckets == seg.buckets for seg in rest)
 
 
 def test_prefetch_zero_means_no_prefetch():
@@ -122,11 +132,14 @@ def test_max_reuse_distance_controls_backward_regathers():
   keep_all = plan(max_reuse_distance=10**9)
   release_all = plan(max_reuse_distance=0)
   assert keep_all.report()["backward_all_gather_count"] == 0
-  # the last layer is used right at the turn (distance 0) and stays; the others re-gather
-  assert release_all.report()["backward_all_gather_count"] == 3
-  # distance from layer i's forward use to its backward use is 2*(3-i) kernels of work
+  # layer 3 is used right at the turn (distance 0) and stays; layer 0's backward reads no
+  # weights; layers 1 and 2 are gathered again
+  assert release_all.report()["backward_all_gather_count"] == 2
+  # layer i's forward use and its backward use are 2*(3-i) kernels of work apart
   some = plan(max_reuse_distance=2 * KERNEL)
-  assert some.report()["backward_all_gather_count"] == 2
+  assert some.report()["backward_all_gather_count"] == 1
+  regathered = [st.bucket for st in some.backward if st.op == "gather"]
+  assert regathered == [1]
 
 
 def test_reuse_distance_for_tied_weights():

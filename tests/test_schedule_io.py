@@ -169,7 +169,7 @@ def test_missing_reduce_scatter_and_double_gather(schedule):
   def drop_rs(d):
     i = first(d["backward"], "reduce_scatter")
     d["backward"].pop(i)
-  with pytest.raises(zjax.ScheduleError, match="before its gradient is reduce-scattered"):
+  with pytest.raises(zjax.ScheduleError, match="never reduce-scattered after its last backward"):
     zjax.Schedule.from_json(edited(schedule, drop_rs))
 
   def double(d):

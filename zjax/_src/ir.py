@@ -3,12 +3,15 @@
 Vocabulary:
   * op: a top-level equation of the traced program, numbered by `trace.walk_ops`.
   * segment: a contiguous op range [start, end), the unit of compute. Its buckets are exactly
-    those holding a parameter used by one of its ops.
+    those holding a parameter used by one of its ops; its backward_buckets, those whose
+    values its backward (vjp) reads. The gradient of x @ W needs x, not W, so a first layer
+    or an embedding lookup needs no re-gather.
   * bucket: sharded parameters of one owning module and one dtype, gathered together by one
     coalesced all-gather; its gradient is reduce-scattered by one psum_scatter.
   * steps: the forward list computes segments 0..K-1, the backward list their vjps K-1..0.
     Step ops: "gather" (a prefetch when issued ahead of need), "compute", "release", and in
-    backward "reduce_scatter" (the bucket's gradient, summed over devices, into its shard).
+    backward "reduce_scatter" (the bucket's gradient, summed over devices, into its shard):
+    once per forward gather, after the last backward compute that uses the bucket.
   * layout: a sharded parameter is stored flat, zero-padded to a multiple of N elements, and
     split into N contiguous chunks, chunk d on device d; persistent parameters are replicated.
 """
@@ -53,6 +56,7 @@ class Segment:
   start: int
   end: int  # exclusive
   buckets: tuple[int, ...]
+  backward_buckets: tuple[int, ...]  # buckets whose values the backward of this segment reads
   label: str  # module of the first op that uses a bucket (for people, not machines)
 
 

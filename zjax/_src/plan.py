@@ -20,10 +20,11 @@ import dataclasses
 from typing import Any, Callable
 
 from zjax._src import ir
+from zjax._src import segments as seg_lib
 from zjax._src.config import ZeroConfig
 from zjax._src.errors import ScheduleError
 from zjax._src.schedule import Schedule, program_hash
-from zjax._src.trace import ProgramTrace, trace_program
+from zjax._src.trace import ProgramTrace, param_views, trace_program
 
 
 def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
@@ -70,7 +71,7 @@ def plan_schedule(trace: ProgramTrace, config: ZeroConfig, num_devices: int) -> 
       ir.Bucket(id=b, module=module, dtype=dtype,
                 params=tuple(trace.params[i].path for i in members))
       for b, (module, dtype, members) in enumerate(groups))
-  segments = _make_segments(trace, bucket_of)
+  segments = _with_backward_buckets(_make_segments(trace, bucket_of), trace, bucket_of)
   elements = [sum(ir.padded_size(trace.params[i].size, num_devices) for i in members)
               for _, _, members in groups]
   forward, backward = _StepPlanner(segments, elements, buckets, config).plan()
@@ -126,9 +127,24 @@ def _make_segments(trace, bucket_of) -> tuple[ir.Segment, ...]:
     if not label and bucket_ids:  # no name stack (e.g. NNX): name the owner module instead
       label = trace.params[_first_member(bucket_ids[0], bucket_of)].owner
     segments.append(ir.Segment(id=i, start=start, end=end, buckets=tuple(bucket_ids),
-                               label=label))
+                               backward_buckets=(), label=label))
     start = end
   return tuple(segments)
+
+
+def _with_backward_buckets(segments, trace, bucket_of) -> tuple[ir.Segment, ...]:
+  """Fill each segment's backward_buckets: the buckets its vjp reads (see segments.py)."""
+  program, num_params = trace.program, len(trace.params)
+  views = param_views(program, num_params)
+  chains = seg_lib.view_chains(program, views, num_params)
+  wanted = seg_lib.needs_gradient(program, num_params, [p.dtype for p in trace.params])
+  out = []
+  for seg, io in zip(segments, seg_lib.segment_ios(program, segments, views)):
+    sharded = [j for j, v in enumerate(io.param_inputs) if chains[v][0] in bucket_of]
+    needed = seg_lib.backward_param_needs(io, program.avals, wanted) if sharded else set()
+    backward = {bucket_of[chains[io.param_inputs[j]][0]] for j in needed if j in sharded}
+    out.append(dataclasses.replace(seg, backward_buckets=tuple(sorted(backward))))
+  return tuple(out)
 
 
 def _first_member(bucket: int, bucket_of: dict[int, int]) -> int:
@@ -141,6 +157,7 @@ class _Instance:
   bucket: int
   uses: list[int]  # forward segments that use it, ascending
   keep_turn: bool = False  # stays gathered from its last forward use into backward
+  backward_uses: list[int] = dataclasses.field(default_factory=list)  # uses whose vjp reads it
 
   @property
   def start(self) -> int:
@@ -158,6 +175,7 @@ class _Interval:
   need: int  # first compute that needs it
   end: int  # last compute before release
   live_at_start: bool = False  # kept from forward: no gather in this phase
+  kept: bool = False  # stays gathered past this phase's end: no release in this phase
   gather_at: int = -1
 
 
@@ -179,14 +197,16 @@ class _StepPlanner:
     instances = self._instances()
     self._enforce_cap(instances)
     k = self.k
-    fwd = [_Interval(i.bucket, i.start, k - 1 if i.keep_turn else i.end) for i in instances]
-    bwd = [_Interval(i.bucket, k - 1 - i.end, k - 1 - i.start, live_at_start=i.keep_turn)
+    fwd = [_Interval(i.bucket, i.start, k - 1 if i.keep_turn else i.end, kept=i.keep_turn)
            for i in instances]
-    fwd_kept = {id(iv) for iv, inst in zip(fwd, instances) if inst.keep_turn}
+    bwd = [_Interval(i.bucket, k - 1 - i.backward_uses[-1], k - 1 - i.backward_uses[0],
+                     live_at_start=i.keep_turn) for i in instances if i.backward_uses]
     self._place_gathers(fwd)
     self._place_gathers(bwd)
-    forward = self._emit(fwd, "forward", skip_release=fwd_kept)
-    backward = self._emit(bwd, "backward", skip_release=set())
+    scatter_at = [(k - 1 - i.start, i.bucket) for i in instances
+                  if ir.is_float(self.buckets[i.bucket].dtype)]
+    forward = self._emit(fwd, "forward", scatter_at=[])
+    backward = self._emit(bwd, "backward", scatter_at=scatter_at)
     return forward, backward
 
   def _distance(self, i: int, j: int) -> int:
@@ -219,10 +239,20 @@ class _StepPlanner:
           instances.append(current)
           current = _Instance(b, [])
         current.uses.append(s)
-      turn = 2 * (self.work_prefix[self.k] - self.work_prefix[current.end + 1])
-      current.keep_turn = turn <= reuse
       instances.append(current)
+    for inst in instances:
+      inst.backward_uses = [s for s in inst.uses
+                            if inst.bucket in self.segments[s].backward_buckets]
+    last = {inst.bucket: inst for inst in instances}  # each bucket's last instance
+    for inst in last.values():
+      inst.keep_turn = bool(inst.backward_uses) and self._turn_distance(inst) <= reuse
     return instances
+
+  def _turn_distance(self, inst: _Instance) -> int:
+    """Work from the last forward use to the first backward use that reads the bucket."""
+    total = self.work_prefix[self.k]
+    return (total - self.work_prefix[inst.end + 1]) + (
+        total - self.work_prefix[inst.backward_uses[-1] + 1])
 
   def _enforce_cap(self, instances: list[_Instance]):
     """Release kept buckets (farthest next use first) wherever live elements exceed the cap."""
@@ -245,8 +275,10 @@ class _StepPlanner:
     if t > inst.end:
       inst.keep_turn = False
       return
-    tail = _Instance(inst.bucket, [s for s in inst.uses if s > t], inst.keep_turn)
+    tail = _Instance(inst.bucket, [s for s in inst.uses if s > t], inst.keep_turn,
+                     [s for s in inst.backward_uses if s > t])
     inst.uses = [s for s in inst.uses if s < t]
+    inst.backward_uses = [s for s in inst.backward_uses if s < t]
     inst.keep_turn = False
     instances.insert(instances.index(inst) + 1, tail)
 
@@ -278,18 +310,16 @@ class _StepPlanner:
         live[t] += size
         iv.gather_at = t
 
-  def _emit(self, intervals, phase, skip_release) -> tuple[ir.Step, ...]:
+  def _emit(self, intervals, phase, scatter_at) -> tuple[ir.Step, ...]:
+    """Steps in time order: gathers, the compute, reduce-scatters, releases."""
     steps = []
     for t in range(self.k):
       starting = sorted((iv for iv in intervals if iv.gather_at == t),
                         key=lambda iv: (iv.need > t, iv.need, iv.bucket))
       steps += [ir.Step("gather", bucket=iv.bucket, prefetch=iv.need > t) for iv in starting]
-      segment = t if phase == "forward" else self.k - 1 - t
-      steps.append(ir.Step("compute", segment=segment))
-      ending = sorted((iv for iv in intervals if iv.end == t and id(iv) not in skip_release),
-                      key=lambda iv: iv.bucket)
-      if phase == "backward":
-        steps += [ir.Step("reduce_scatter", bucket=iv.bucket) for iv in ending
-                  if ir.is_float(self.buckets[iv.bucket].dtype)]
-      steps += [ir.Step("release", bucket=iv.bucket) for iv in ending]
+      steps.append(ir.Step("compute", segment=t if phase == "forward" else self.k - 1 - t))
+      steps += [ir.Step("reduce_scatter", bucket=b) for when, b in sorted(scatter_at)
+                if when == t]
+      ending = sorted(iv.bucket for iv in intervals if iv.end == t and not iv.kept)
+      steps += [ir.Step("release", bucket=b) for b in ending]
     return tuple(steps)

@@ -35,6 +35,7 @@ class FlatProgram:
   const_ids: tuple[int, ...]
   consts: tuple
   output_ids: tuple  # id or Literal per result
+  avals: dict  # value id -> abstract value (shape, dtype)
 
 
 def flatten_program(closed: jex.ClosedJaxpr) -> FlatProgram:
@@ -48,6 +49,7 @@ class _Flattener:
     self.ops: list[FlatOp] = []
     self.const_ids: list[int] = []
     self.consts: list = []
+    self.avals: dict = {}
 
   def run(self, closed) -> FlatProgram:
     frame = self._frame_with_consts(closed)
@@ -55,7 +57,7 @@ class _Flattener:
     self._walk(closed.jaxpr, frame, "")
     outputs = tuple(_read(frame, a) for a in closed.jaxpr.outvars)
     return FlatProgram(tuple(self.ops), input_ids, tuple(self.const_ids), tuple(self.consts),
-                       outputs)
+                       outputs, self.avals)
 
   def _walk(self, jaxpr, frame, scope):
     for eqn in jaxpr.eqns:
@@ -77,10 +79,12 @@ class _Flattener:
       frame[v] = self._new_id()
       self.const_ids.append(frame[v])
       self.consts.append(c)
+      self.avals[frame[v]] = v.aval
     return frame
 
   def _define(self, frame, var) -> int:
     frame[var] = self._new_id()
+    self.avals[frame[var]] = var.aval
     return frame[var]
 
   def _new_id(self) -> int:

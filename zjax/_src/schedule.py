@@ -261,6 +261,7 @@ def _parse_segment(s, i) -> ir.Segment:
   return ir.Segment(id=_field(s, "id", int, where), start=_field(s, "start", int, where),
                     end=_field(s, "end", int, where),
                     buckets=tuple(_int_list(s, "buckets", where)),
+                    backward_buckets=tuple(_int_list(s, "backward_buckets", where)),
                     label=_field(s, "label", str, where))
 
 

@@ -88,6 +88,10 @@ def _check_segments(s):
   if start != s.num_ops or not s.segments:
     raise ScheduleError(f"Segments cover ops [0, {start}) but the program has {s.num_ops} ops.")
   used = _buckets_used_per_segment(s)
+  for seg in s.segments:
+    if not set(seg.backward_buckets) <= set(seg.buckets):
+      raise ScheduleError(f"Segment {seg.id} lists backward_buckets {list(seg.backward_buckets)} "
+                          f"that are not among its buckets {list(seg.buckets)}.")
   for seg, expected in zip(s.segments, used):
     if tuple(sorted(seg.buckets)) != tuple(sorted(expected)):
       raise ScheduleError(
@@ -172,16 +176,18 @@ class _Simulator:
                           f"{expected[0] if expected else 'none'}; segments run in program "
                           f"order (backward: reverse order), each once.")
     expected.pop(0)
-    for b in seg.buckets:
+    needed = seg.buckets if phase == "forward" else seg.backward_buckets
+    for b in needed:
       if b not in self.live:
         when = self.released_at.get(b)
         why = (f"it was released at {when} before this use (release before last use)"
                if when else "it was never gathered (use before gather)")
-        raise ScheduleError(f"{where} (compute segment {seg.id}, {seg.label or 'ops ' + str(seg.start)}): "
-                            f"needs {describe_bucket(self.s, b)}, but {why}. Insert a gather "
-                            f"of bucket {b} before this step.")
-      if phase == "backward" and ir.is_float(self.s.buckets[b].dtype):
-        self.pending_grad.add(b)
+        raise ScheduleError(f"{where} (compute segment {seg.id}, "
+                            f"{seg.label or 'ops ' + str(seg.start)}): needs "
+                            f"{describe_bucket(self.s, b)}, but {why}. Insert a gather of "
+                            f"bucket {b} before this step.")
+    if phase == "backward":
+      self.pending_grad.update(b for b in seg.buckets if ir.is_float(self.s.buckets[b].dtype))
 
   def _gather(self, b, phase, where):
     if b in self.live:
@@ -200,9 +206,6 @@ class _Simulator:
     if b not in self.live:
       raise ScheduleError(f"{where}: releases {describe_bucket(self.s, b)}, which is not "
                           f"gathered.")
-    if b in self.pending_grad:
-      raise ScheduleError(f"{where}: releases {describe_bucket(self.s, b)} before its "
-                          f"gradient is reduce-scattered; reduce-scatter it first.")
     del self.live[b]
     self.released_at[b] = where
 
@@ -218,6 +221,11 @@ class _Simulator:
     self.reduce_scatters[b] += 1
 
   def _check_end(self):
+    if self.pending_grad:
+      b = min(self.pending_grad)
+      raise ScheduleError(f"The gradient of {describe_bucket(self.s, b)} is never "
+                          f"reduce-scattered after its last backward use; add a "
+                          f"reduce_scatter step.")
     if self.live:
       b = min(self.live)
       raise ScheduleError(f"{describe_bucket(self.s, b)} is still gathered at the end of the "

@@ -1,0 +1,282 @@
+"""The executor: one shard_map program per step that performs exactly the schedule's steps.
+
+Forward: for each step, gather a bucket (one coalesced all_gather of the bucket's chunks),
+compute a segment (the program's ops [start, end), under `jax.vjp`), or release a bucket
+(drop the last reference). Backward: walk the backward steps, re-gather, apply each
+segment's vjp, accumulate the bucket's full gradient, and reduce-scatter it (psum_scatter,
+mean over devices) into its shard.
+
+What backward keeps from forward is each segment's vjp residuals, with every residual that
+*is* one of the gathered parameters replaced by a placeholder: backward fills it from the
+re-gathered (or kept) bucket. Gathered parameters therefore never live from forward to
+backward unless the schedule says so (kept across the turn).
+
+Ordering is pinned with optimization barriers: a gather's input shard is tied to the
+activation (or cotangent) produced just before the step that issues it, and its result to
+the inputs of the compute that needs it. So XLA neither hoists every gather to the start nor
+merges a backward re-gather with the forward gather (their operands differ).
+"""
+
+from typing import Any, Callable
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from zjax._src import ir, layout
+from zjax._src import segments as seg_lib
+from zjax._src.errors import ScheduleMismatchError, ZjaxError
+from zjax._src.schedule import program_hash
+from zjax._src.trace import param_views, trace_program
+
+
+def value_and_grad(loss_fn: Callable, schedule, *, mesh) -> Callable:
+  """A jitted `(sharded_params, batch) -> (loss, sharded_grads)` that runs `schedule`.
+
+  The batch's leading dimension (the global batch) is split over the devices; 0-d batch
+  leaves (a scalar, a PRNG key) are replicated. For a loss that is a mean over the batch,
+  `unshard(sharded_grads)` equals `jax.value_and_grad(loss_fn)(params, batch)`. Gradients
+  of non-float parameters are zeros (they are not differentiated).
+
+  Example:
+    >>> step = zjax.value_and_grad(loss_fn, schedule, mesh=mesh)     # doctest: +SKIP
+    >>> loss, grads = step(zjax.shard(params, schedule, mesh), batch) # doctest: +SKIP
+    >>> step.lower(sharded, batch).compile().as_text()                # doctest: +SKIP
+  """
+  layout.check_mesh(schedule, mesh)
+  if schedule.config.compute_dtype is not None:
+    raise ZjaxError("ZeroConfig.compute_dtype is planned but not executed yet: mixed "
+                    "precision arrives with the trainer. Plan with compute_dtype=None.")
+  runner = _Runner(loss_fn, schedule, mesh)
+  return jax.jit(runner.step)
+
+
+class _Runner:
+  """Builds (once per batch shape) and calls the shard_map'ed device program."""
+
+  def __init__(self, loss_fn, schedule, mesh):
+    self.loss_fn, self.schedule, self.mesh = loss_fn, schedule, mesh
+    self.axis = schedule.config.axis_name
+    self.n = schedule.num_devices
+
+  def step(self, sharded_params, batch):
+    specs = layout.param_specs(self.schedule)
+    leaves, treedef = layout.matching_leaves(sharded_params, self.schedule, "sharded_params")
+    batch_specs = self._batch_specs(batch)
+    program = self._device_program(treedef, batch)
+    leaves = [layout.place(x, self.mesh, s) for x, s in zip(leaves, specs)]
+    batch = jax.tree.map(lambda x, s: layout.place(x, self.mesh, s), batch, batch_specs)
+    run = jax.shard_map(program.run, mesh=self.mesh, in_specs=(specs, batch_specs),
+                        out_specs=(P(), specs), check_vma=False)
+    loss, grads = run(leaves, batch)
+    return loss, jax.tree_util.tree_unflatten(treedef, grads)
+
+  def _batch_specs(self, batch):
+    def spec(path, x):
+      if np.ndim(x) == 0:
+        return P()
+      if x.shape[0] % self.n:
+        raise ZjaxError(f"Batch leaf {jax.tree_util.keystr(path)} has leading (global batch) "
+                        f"dimension {x.shape[0]}, not divisible by the {self.n} devices. Use a "
+                        f"global batch that is a multiple of {self.n}.")
+      return P(self.axis)
+    return jax.tree_util.tree_map_with_path(spec, batch)
+
+  def _device_program(self, treedef, batch) -> "_DeviceProgram":
+    """Trace the loss on one device's share of the batch; it must match the schedule."""
+    local = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((x.shape[0] // self.n,) + tuple(x.shape[1:]), x.dtype)
+        if np.ndim(x) else jax.ShapeDtypeStruct((), x.dtype), batch)
+    params = [jax.ShapeDtypeStruct(p.shape, jnp.dtype(p.dtype)) for p in self.schedule.params]
+    trace = trace_program(self.loss_fn, jax.tree_util.tree_unflatten(treedef, params), local)
+    _check_trace_matches(trace, self.schedule)
+    return _DeviceProgram(self.schedule, trace.program)
+
+
+def _check_trace_matches(trace, schedule):
+  for p, entry in zip(trace.params, schedule.params):
+    if p.path != entry.path or tuple(u.op for u in p.uses) != entry.uses:
+      raise ScheduleMismatchError(
+          f"On one device's share of the batch, parameter {p.path} is used at ops "
+          f"{[u.op for u in p.uses]}, but the schedule says {list(entry.uses)}: the loss "
+          f"function's program depends on the batch size, or the schedule belongs to another "
+          f"model. Recompile the schedule for this loss function.")
+  if program_hash(o.primitive for o in trace.ops) != schedule.program_hash:
+    raise ScheduleMismatchError(
+        "The loss function's program (on one device's share of the batch) differs from the "
+        "schedule's. Recompile the schedule for this loss function.")
+
+
+class _DeviceProgram:
+  """One device's view of the step: local shards in, loss and local gradient shards out."""
+
+  def __init__(self, schedule, program):
+    self.s, self.program = schedule, program
+    self.n, self.axis = schedule.num_devices, schedule.config.axis_name
+    num_params = len(schedule.params)
+    self.views = param_views(program, num_params)
+    self.chains = seg_lib.view_chains(program, self.views, num_params)
+    self.segments = seg_lib.segment_ios(program, schedule.segments, self.views)
+    index = {p.path: i for i, p in enumerate(schedule.params)}
+    self.members = [[index[path] for path in b.params] for b in schedule.buckets]
+    self.consts = dict(zip(program.const_ids, program.consts))
+
+  def run(self, shard_leaves, batch):
+    state = _State(self, shard_leaves, batch)
+    for step in self.s.forward:
+      state.forward_step(step)
+    (loss_id,) = self.program.output_ids
+    loss = state.read(loss_id)
+    state.start_backward(loss_id, loss)
+    for step in self.s.backward:
+      state.backward_step(step)
+    return lax.pmean(loss, self.axis), state.gradients()
+
+
+class _State:
+  """Values alive on one device while the schedule runs."""
+
+  def __init__(self, dp: _DeviceProgram, shard_leaves, batch):
+    self.dp = dp
+    self.shards = list(shard_leaves)
+    self.env: dict[int, Any] = dict(dp.consts)
+    batch_leaves = jax.tree_util.tree_leaves(batch)
+    num_params = len(dp.s.params)
+    self.env.update(zip(dp.program.input_ids[num_params:], batch_leaves))
+    self.gathered: dict[int, Any] = {}  # param index -> natural-shape full value
+    self.anchor = batch_leaves[0] if batch_leaves else None
+    self.vjps: dict[int, tuple] = {}
+    self.cts: dict[int, Any] = {}
+    self.full_grads: dict[int, Any] = {}  # param index -> accumulated full gradient
+    self.shard_grads: dict[int, Any] = {}
+
+  # ---- values --------------------------------------------------------------------------
+  def read(self, atom):
+    return atom.val if isinstance(atom, jex.Literal) else self.env[atom]
+
+  def base_value(self, i):
+    entry = self.dp.s.params[i]
+    return self.shards[i] if entry.persistent else self.gathered[i]
+
+  def view(self, vid):
+    param, chain = self.dp.chains[vid]
+    return seg_lib.apply_chain(chain, self.base_value(param))
+
+  def view_or_placeholder(self, vid):
+    """In backward, a view of a bucket that is not gathered is one the vjp provably does not
+    read (the schedule's backward_buckets); a zero placeholder stands in and is dead code."""
+    param, _ = self.dp.chains[vid]
+    if self.dp.s.params[param].persistent or param in self.gathered:
+      return self.view(vid)
+    aval = self.dp.program.avals[vid]
+    return jnp.zeros(aval.shape, aval.dtype)
+
+  # ---- collectives ----------------------------------------------------------------------
+  def gather(self, b):
+    members = self.dp.members[b]
+    entries = [self.dp.s.params[i] for i in members]
+    chunks = [self.shards[i] for i in members]
+    if self.anchor is not None:
+      chunks, _ = lax.optimization_barrier((chunks, self.anchor))
+    local = jnp.concatenate(chunks) if len(chunks) > 1 else chunks[0]
+    full = lax.all_gather(local, self.dp.axis, tiled=False)
+    for i, value in zip(members, layout.unpack_gathered(full, entries, self.dp.n)):
+      self.gathered[i] = value
+
+  def release(self, b):
+    for i in self.dp.members[b]:
+      self.gathered.pop(i, None)
+
+  def reduce_scatter(self, b):
+    members = self.dp.members[b]
+    entries = [self.dp.s.params[i] for i in members]
+    grads = [self.full_grads.pop(i, None) for i in members]
+    grads = [jnp.zeros(e.shape, e.dtype) if g is None else g for g, e in zip(grads, entries)]
+    packed = layout.pack_for_scatter(grads, entries, self.dp.n)
+    mine = lax.psum_scatter(packed, self.dp.axis, scatter_dimension=0, tiled=False)
+    for i, chunk in zip(members, layout.split_chunks(mine / self.dp.n, entries, self.dp.n)):
+      self.shard_grads[i] = chunk if i not in self.shard_grads else self.shard_grads[i] + chunk
+
+  # ---- forward ---------------------------------------------------------------------------
+  def forward_step(self, step):
+    if step.op == "gather":
+      self.gather(step.bucket)
+    elif step.op == "release":
+      self.release(step.bucket)
+    else:
+      self.forward_compute(step.segment)
+
+  def forward_compute(self, k):
+    io = self.dp.segments[k]
+    params = [self.view(v) for v in io.param_inputs]
+    acts = [self.read(a) for a in io.act_inputs]
+    params, acts = lax.optimization_barrier((params, acts)) if params else (params, acts)
+    outs, vjp_fn = jax.vjp(seg_lib.segment_fn(io), params, acts)
+    self.vjps[k] = seg_lib.strip_params(vjp_fn, params)
+    self.env.update(zip(io.outputs, outs))
+    if outs:
+      self.anchor = outs[-1]
+
+  # ---- backward --------------------------------------------------------------------------
+  def start_backward(self, loss_id, loss):
+    self.cts = {loss_id: jnp.ones_like(loss)}
+    self.anchor = self.cts[loss_id]
+
+  def backward_step(self, step):
+    if step.op == "gather":
+      self.gather(step.bucket)
+    elif step.op == "release":
+      self.release(step.bucket)
+    elif step.op == "reduce_scatter":
+      self.reduce_scatter(step.bucket)
+    else:
+      self.backward_compute(step.segment)
+
+  def backward_compute(self, k):
+    io = self.dp.segments[k]
+    params = [self.view_or_placeholder(v) for v in io.param_inputs]
+    ct_out = [self.cts.pop(o, None) for o in io.outputs]
+    ct_out = [seg_lib.zero_cotangent(self.env[o]) if c is None else c
+              for o, c in zip(io.outputs, ct_out)]
+    if params:
+      params, ct_out = lax.optimization_barrier((params, ct_out))
+    vjp_fn = seg_lib.restore_params(self.vjps.pop(k), params)
+    ct_params, ct_acts = vjp_fn(ct_out)
+    for a, ct in zip(io.act_inputs, ct_acts):
+      if seg_lib.is_real_cotangent(ct):
+        self.cts[a] = ct if a not in self.cts else self.cts[a] + ct
+    for v, ct in zip(io.param_inputs, ct_params):
+      self._accumulate_param_grad(v, ct)
+    anchors = [c for c in ct_acts if seg_lib.is_real_cotangent(c)]
+    if anchors:
+      self.anchor = anchors[-1]
+
+  def _accumulate_param_grad(self, vid, ct):
+    if not seg_lib.is_real_cotangent(ct):
+      return
+    param, chain = self.dp.chains[vid]
+    if chain:  # back through the lazy layout ops (reshape, transpose, cast)
+      base = self.base_value(param)
+      _, pullback = jax.vjp(lambda x: seg_lib.apply_chain(chain, x), base)
+      (ct,) = pullback(ct)
+    self.full_grads[param] = ct if param not in self.full_grads else self.full_grads[param] + ct
+
+  def gradients(self) -> list:
+    s, out, persistent = self.dp.s, [], {}
+    for i, entry in enumerate(s.params):
+      if entry.persistent and ir.is_float(entry.dtype) and i in self.full_grads:
+        persistent[i] = self.full_grads.pop(i)
+    persistent = lax.pmean(persistent, self.dp.axis) if persistent else {}
+    for i, entry in enumerate(s.params):
+      if entry.persistent:
+        out.append(persistent.get(i, jnp.zeros(entry.shape, entry.dtype)))
+      elif i in self.shard_grads:
+        out.append(self.shard_grads[i].astype(entry.dtype))
+      else:  # unused, or non-float: zero gradient
+        out.append(jnp.zeros((layout.chunk_size(entry, s.num_devices),), entry.dtype))
+    return out
+
+

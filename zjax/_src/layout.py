@@ -1,0 +1,149 @@
+"""The sharded layout: every sharded leaf flat, zero-padded to a multiple of N, 1/N per device;
+persistent leaves replicated. The pytree keeps the params' own structure.
+
+Also the per-bucket packing used at gather time: device d concatenates its chunks of a
+bucket's leaves, one all-gather returns an [N, bucket/N] rank-major buffer, and each leaf is
+read back from its column range. The reduce-scatter is the mirror image.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from zjax._src import ir
+from zjax._src.errors import ZjaxError
+
+
+def param_specs(schedule) -> list[P]:
+  """PartitionSpec of each leaf's storage, in schedule (= tree-flatten) order."""
+  axis = schedule.config.axis_name
+  return [P() if p.persistent else P(axis) for p in schedule.params]
+
+
+def place(x, mesh, spec):
+  """Constrain `x` (inside jit) to NamedSharding(mesh, spec), on Explicit or Auto meshes."""
+  sharding = NamedSharding(mesh, spec)
+  explicit = any(mesh.axis_types[mesh.axis_names.index(a)] == AxisType.Explicit
+                 for a in _spec_axes(spec))
+  return jax.reshard(x, sharding) if explicit else jax.lax.with_sharding_constraint(x, sharding)
+
+
+def shard(params: Any, schedule, mesh) -> Any:
+  """Place natural-shape `params` into the schedule's layout on `mesh`.
+
+  Accepts numpy or jax arrays on any placement. Padding is always zero.
+
+  Example:
+    >>> sharded = zjax.shard(params, schedule, mesh)       # doctest: +SKIP
+    >>> sharded["w"].shape                                 # doctest: +SKIP
+    (4096,)
+  """
+  check_mesh(schedule, mesh)
+  leaves, treedef = matching_leaves(params, schedule, "params")
+  out = []
+  for leaf, entry, spec in zip(leaves, schedule.params, param_specs(schedule)):
+    _check_leaf(leaf, entry)
+    if entry.persistent:
+      out.append(jax.device_put(jnp.asarray(leaf), NamedSharding(mesh, spec)))
+    else:
+      pad = ir.padded_size(entry.size, schedule.num_devices) - entry.size
+      flat = jax.jit(lambda x, pad=pad: jnp.pad(jnp.ravel(x), (0, pad)),
+                     out_shardings=NamedSharding(mesh, spec))
+      out.append(flat(leaf))
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def unshard(sharded: Any, schedule) -> Any:
+  """The natural-shape params of a sharded pytree, bitwise equal to what `shard` was given."""
+  leaves, treedef = matching_leaves(sharded, schedule, "sharded")
+  out = []
+  for leaf, entry in zip(leaves, schedule.params):
+    if entry.persistent:
+      out.append(leaf)
+      continue
+    expected = (ir.padded_size(entry.size, schedule.num_devices),)
+    if tuple(leaf.shape) != expected:
+      raise ZjaxError(f"Sharded leaf {entry.path} has shape {tuple(leaf.shape)}; the "
+                      f"schedule's layout stores it flat as {expected}.")
+    out.append(jnp.asarray(leaf)[:entry.size].reshape(entry.shape))
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def check_mesh(schedule, mesh) -> None:
+  axis = schedule.config.axis_name
+  if axis not in mesh.shape:
+    raise ZjaxError(f"The mesh has axes {tuple(mesh.shape)}, but the schedule shards over "
+                    f"{axis!r} (ZeroConfig.axis_name).")
+  if mesh.shape[axis] != schedule.num_devices:
+    raise ZjaxError(f"The schedule was planned for {schedule.num_devices} devices but the "
+                    f"mesh axis {axis!r} has {mesh.shape[axis]}. Plan it for this mesh "
+                    f"(compile_schedule(..., mesh=mesh)).")
+
+
+# ---- per-bucket packing (used per device, inside shard_map) ----------------------------
+
+def chunk_size(entry, num_devices: int) -> int:
+  return ir.padded_size(entry.size, num_devices) // num_devices
+
+
+def unpack_gathered(full_NxC, entries, num_devices) -> list:
+  """[N, sum of chunks] rank-major buffer -> natural-shape arrays of the bucket's leaves."""
+  out, offset = [], 0
+  for entry in entries:
+    c = chunk_size(entry, num_devices)
+    column = full_NxC[:, offset:offset + c].reshape(-1)
+    out.append(column[:entry.size].reshape(entry.shape))
+    offset += c
+  return out
+
+
+def pack_for_scatter(grads, entries, num_devices):
+  """Natural-shape gradients -> [N, sum of chunks], row d holding device d's chunks."""
+  rows = []
+  for g, entry in zip(grads, entries):
+    pad = ir.padded_size(entry.size, num_devices) - entry.size
+    rows.append(jnp.pad(g.reshape(-1), (0, pad)).reshape(num_devices, -1))
+  return jnp.concatenate(rows, axis=1) if len(rows) > 1 else rows[0]
+
+
+def split_chunks(buffer, entries, num_devices) -> list:
+  out, offset = [], 0
+  for entry in entries:
+    c = chunk_size(entry, num_devices)
+    out.append(buffer[offset:offset + c])
+    offset += c
+  return out
+
+
+def _spec_axes(spec) -> list[str]:
+  axes = []
+  for part in spec:
+    if part is None:
+      continue
+    axes.extend(part if isinstance(part, tuple) else (part,))
+  return axes
+
+
+def matching_leaves(tree, schedule, what):
+  """Leaves of `tree` in schedule order; an error names what differs from the schedule."""
+  path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  paths = [jax.tree_util.keystr(p) for p, _ in path_leaves]
+  expected = [p.path for p in schedule.params]
+  if paths != expected:
+    missing = sorted(set(expected) - set(paths))
+    extra = sorted(set(paths) - set(expected))
+    raise ZjaxError(f"The {what} pytree does not match the schedule's parameters "
+                    f"(missing: {missing[:3]}, unexpected: {extra[:3]}). Use the params the "
+                    f"schedule was compiled for.")
+  return [leaf for _, leaf in path_leaves], treedef
+
+
+def _check_leaf(leaf, entry):
+  shape = tuple(np.shape(leaf))
+  dtype = jnp.dtype(getattr(leaf, "dtype", np.asarray(leaf).dtype))
+  if shape != tuple(entry.shape) or dtype.name != entry.dtype:
+    raise ZjaxError(f"Parameter {entry.path} is {dtype.name}{list(shape)}, but the schedule "
+                    f"expects {entry.dtype}{list(entry.shape)}.")

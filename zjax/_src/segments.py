@@ -1,0 +1,196 @@
+"""Segments as code: what a segment reads and defines, how to run it, and what its backward
+needs. Shared by the planner (which must know which buckets a backward step reads) and the
+executor (which runs the segments), so that both see the same residuals.
+
+A segment runs its ops with parameter *views* (a parameter, or a reshape/transpose/cast of
+one: applied lazily at the use) and activations as inputs. Its backward is its `jax.vjp`
+with every residual that *is* a parameter view replaced by a slot, filled at backward time
+from the re-gathered bucket: saved residuals never hold gathered parameters.
+"""
+
+import dataclasses
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
+
+from zjax._src.program import FlatProgram
+from zjax._src.trace import LAYOUT_PRIMITIVES
+
+
+@dataclasses.dataclass
+class SegmentIO:
+  ops: list  # the ops to run (lazy layout views of parameters excluded)
+  param_inputs: list[int]  # parameter views it reads
+  act_inputs: list[int]  # other values it reads
+  outputs: list[int]  # values it defines that later segments (or the result) read
+
+
+def is_lazy_view(op, views) -> bool:
+  return op.primitive in LAYOUT_PRIMITIVES and all(o in views for o in op.outputs)
+
+
+def segment_ios(program: FlatProgram, segments, views) -> list[SegmentIO]:
+  readers = _last_readers(program, segments, views)
+  result = []
+  for seg in segments:
+    ops = [op for op in program.ops[seg.start:seg.end] if not is_lazy_view(op, views)]
+    defined, params, acts = set(), [], []
+    for op in ops:
+      for a in op.inputs:
+        if isinstance(a, int) and a not in defined:
+          target = params if a in views else acts
+          if a not in target:
+            target.append(a)
+      defined.update(op.outputs)
+    outputs = [o for op in ops for o in op.outputs if readers.get(o, -1) > seg.id]
+    result.append(SegmentIO(ops, params, acts, outputs))
+  return result
+
+
+def view_chains(program: FlatProgram, views, num_params) -> dict[int, tuple[int, tuple]]:
+  """View id -> (parameter index, layout ops that turn the parameter into the view)."""
+  chains = {program.input_ids[i]: (i, ()) for i in range(num_params)}
+  for op in program.ops:
+    if is_lazy_view(op, views):
+      (src,) = [a for a in op.inputs if isinstance(a, int)]
+      param, chain = chains[src]
+      for out in op.outputs:
+        chains[out] = (param, chain + (op,))
+  return chains
+
+
+def needs_gradient(program: FlatProgram, num_params, param_dtypes) -> set[int]:
+  """Ids of values that depend on a floating-point parameter (their cotangents matter)."""
+  dependent = {program.input_ids[i] for i in range(num_params)
+               if jnp.issubdtype(param_dtypes[i], jnp.inexact)}
+  for op in program.ops:
+    if any(isinstance(a, int) and a in dependent for a in op.inputs):
+      dependent.update(op.outputs)
+  return dependent
+
+
+def segment_fn(io: SegmentIO):
+  """`(param view values, activation values) -> output values` of a segment."""
+  def run(params, acts):
+    env = dict(zip(io.param_inputs, params))
+    env.update(zip(io.act_inputs, acts))
+    for op in io.ops:
+      outs = apply_op(op, [a.val if isinstance(a, jex.Literal) else env[a] for a in op.inputs])
+      env.update(zip(op.outputs, outs))
+    return [env[o] for o in io.outputs]
+  return run
+
+
+def apply_op(op, invals) -> list:
+  eqn = op.eqn
+  with eqn.ctx.manager:
+    out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def apply_chain(chain, value):
+  for op in chain:
+    (value,) = apply_op(op, [value])
+  return value
+
+
+def strip_params(vjp_fn, params):
+  """(treedef, residuals, slots): residuals that are parameter views become slots, keyed by
+  leaf position, holding the view's position in `params`."""
+  leaves, treedef = jax.tree_util.tree_flatten(vjp_fn)
+  positions = {id(p): j for j, p in enumerate(params)}
+  slots = {k: positions[id(leaf)] for k, leaf in enumerate(leaves) if id(leaf) in positions}
+  kept = [None if k in slots else leaf for k, leaf in enumerate(leaves)]
+  return treedef, kept, slots
+
+
+def restore_params(stripped, params):
+  treedef, kept, slots = stripped
+  leaves = [params[slots[k]] if k in slots else leaf for k, leaf in enumerate(kept)]
+  return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def backward_param_needs(io: SegmentIO, avals, wanted_act_cts) -> set[int]:
+  """Positions in `io.param_inputs` whose values the segment's backward reads.
+
+  The backward is the vjp with saved residuals, as the executor runs it; a parameter view
+  is needed when a slot holding it feeds a wanted cotangent (of a float parameter view, or
+  of an activation in `wanted_act_cts`), per dead-code analysis of the backward's jaxpr.
+  """
+  if not io.param_inputs:
+    return set()
+  p_avals = [_spec(avals[v]) for v in io.param_inputs]
+  a_avals = [_spec(avals[a]) for a in io.act_inputs]
+  box = {}
+
+  def forward(params, acts):
+    outs, vjp_fn = jax.vjp(segment_fn(io), params, acts)
+    box["stripped"] = strip_params(vjp_fn, params)
+    box["outs"] = [_spec(o) for o in outs]
+    return [leaf for leaf in box["stripped"][1] if leaf is not None]
+
+  kept_avals = jax.eval_shape(forward, p_avals, a_avals)
+  treedef, kept, slots = box["stripped"]
+  slot_avals = {k: p_avals[j] for k, j in slots.items()}
+  cts = [_cotangent_spec(o) for o in box["outs"]]
+
+  def backward(kept_leaves, slot_leaves, cts):
+    it_kept, it_slot = iter(kept_leaves), iter(slot_leaves)
+    leaves = [next(it_slot) if k in slots else next(it_kept) for k in range(len(kept))]
+    ct_params, ct_acts = jax.tree_util.tree_unflatten(treedef, leaves)(cts)
+    wanted = [c for c, v in zip(ct_params, p_avals) if jnp.issubdtype(v.dtype, jnp.inexact)]
+    wanted += [c for c, a in zip(ct_acts, io.act_inputs) if a in wanted_act_cts]
+    return wanted
+
+  slot_order = sorted(slot_avals)
+  closed = jax.make_jaxpr(backward)(kept_avals, [slot_avals[k] for k in slot_order], cts)
+  used = _used_invars(closed.jaxpr)
+  first_slot = len(kept_avals)
+  return {slots[k] for n, k in enumerate(slot_order)
+          if closed.jaxpr.invars[first_slot + n] in used}
+
+
+def _used_invars(jaxpr) -> set:
+  """Variables the outputs depend on (a conservative dead-code analysis)."""
+  used = {v for v in jaxpr.outvars if isinstance(v, jex.Var)}
+  for eqn in reversed(jaxpr.eqns):
+    if eqn.effects or any(v in used for v in eqn.outvars):
+      used.update(v for v in eqn.invars if isinstance(v, jex.Var))
+  return used
+
+
+def _spec(x):
+  return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def _cotangent_spec(x):
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    return x
+  return jax.ShapeDtypeStruct(x.shape, jax.dtypes.float0)
+
+
+def zero_cotangent(x):
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    return jnp.zeros_like(x)
+  return np.zeros(x.shape, dtype=jax.dtypes.float0)
+
+
+def is_real_cotangent(ct) -> bool:
+  return ct is not None and getattr(ct, "dtype", None) != jax.dtypes.float0
+
+
+def _last_readers(program, segments, views) -> dict[int, int]:
+  """Value id -> last segment that reads it (len(segments) for the program's result)."""
+  last = {}
+  for seg in segments:
+    for op in program.ops[seg.start:seg.end]:
+      if not is_lazy_view(op, views):
+        for a in op.inputs:
+          if isinstance(a, int):
+            last[a] = seg.id
+  for o in program.output_ids:
+    if isinstance(o, int):
+      last[o] = len(segments)
+  return last
