@@ -5,10 +5,16 @@ Public API (everything else lives in `zjax._src` and may change):
   compile_schedule  trace a loss function and plan its schedule for N devices
   Schedule          the schedule: data, JSON, validation, report, readable table
   trace_program     the parameter-use table of a loss function (what the planner sees)
+  shard / unshard   natural-shape params <-> the schedule's sharded layout
+  value_and_grad    a jitted (sharded_params, batch) -> (loss, sharded_grads) running a schedule
+  zjax.hlo          collectives and memory of a compiled program
 """
 
 from zjax._src.config import ZeroConfig
+from zjax import hlo
 from zjax._src.errors import ScheduleError, ScheduleMismatchError, TraceError, ZjaxError
+from zjax._src.execute import value_and_grad
+from zjax._src.layout import shard, unshard
 from zjax._src.plan import compile_schedule
 from zjax._src.schedule import Schedule
 from zjax._src.trace import trace_program
@@ -18,6 +24,10 @@ __all__ = [
     "compile_schedule",
     "Schedule",
     "trace_program",
+    "shard",
+    "unshard",
+    "value_and_grad",
+    "hlo",
     "ZjaxError",
     "TraceError",
     "ScheduleError",

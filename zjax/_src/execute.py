@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from zjax._src import ir, layout
 from zjax._src import segments as seg_lib
 from zjax._src.errors import ScheduleMismatchError, ZjaxError
+from zjax._src.plan import per_device_batch
 from zjax._src.schedule import program_hash
 from zjax._src.trace import param_views, trace_program
 
@@ -87,9 +88,7 @@ class _Runner:
 
   def _device_program(self, treedef, batch) -> "_DeviceProgram":
     """Trace the loss on one device's share of the batch; it must match the schedule."""
-    local = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct((x.shape[0] // self.n,) + tuple(x.shape[1:]), x.dtype)
-        if np.ndim(x) else jax.ShapeDtypeStruct((), x.dtype), batch)
+    local = per_device_batch(batch, self.n)
     params = [jax.ShapeDtypeStruct(p.shape, jnp.dtype(p.dtype)) for p in self.schedule.params]
     trace = trace_program(self.loss_fn, jax.tree_util.tree_unflatten(treedef, params), local)
     _check_trace_matches(trace, self.schedule)
@@ -223,7 +222,7 @@ class _State:
   # ---- backward --------------------------------------------------------------------------
   def start_backward(self, loss_id, loss):
     self.cts = {loss_id: jnp.ones_like(loss)}
-    self.anchor = self.cts[loss_id]
+    self.anchor = loss  # not the constant seed: backward gathers must wait for the forward
 
   def backward_step(self, step):
     if step.op == "gather":
@@ -258,10 +257,10 @@ class _State:
     if not seg_lib.is_real_cotangent(ct):
       return
     param, chain = self.dp.chains[vid]
-    if chain:  # back through the lazy layout ops (reshape, transpose, cast)
-      base = self.base_value(param)
-      _, pullback = jax.vjp(lambda x: seg_lib.apply_chain(chain, x), base)
-      (ct,) = pullback(ct)
+    if chain:  # back through the lazy layout ops (reshape, transpose, cast): all linear
+      entry = self.dp.s.params[param]
+      base = jax.ShapeDtypeStruct(entry.shape, jnp.dtype(entry.dtype))
+      (ct,) = jax.linear_transpose(lambda x: seg_lib.apply_chain(chain, x), base)(ct)
     self.full_grads[param] = ct if param not in self.full_grads else self.full_grads[param] + ct
 
   def gradients(self) -> list:

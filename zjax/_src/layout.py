@@ -26,8 +26,8 @@ def param_specs(schedule) -> list[P]:
 def place(x, mesh, spec):
   """Constrain `x` (inside jit) to NamedSharding(mesh, spec), on Explicit or Auto meshes."""
   sharding = NamedSharding(mesh, spec)
-  explicit = any(mesh.axis_types[mesh.axis_names.index(a)] == AxisType.Explicit
-                 for a in _spec_axes(spec))
+  axes = _spec_axes(spec) or mesh.axis_names  # replicated: resharding matters on any axis
+  explicit = any(mesh.axis_types[mesh.axis_names.index(a)] == AxisType.Explicit for a in axes)
   return jax.reshard(x, sharding) if explicit else jax.lax.with_sharding_constraint(x, sharding)
 
 
@@ -46,6 +46,8 @@ def shard(params: Any, schedule, mesh) -> Any:
   out = []
   for leaf, entry, spec in zip(leaves, schedule.params, param_specs(schedule)):
     _check_leaf(leaf, entry)
+    if isinstance(leaf, jax.Array) and leaf.sharding.device_set != set(mesh.devices.flat):
+      leaf = np.asarray(leaf)  # placed on other devices than the mesh's: through the host
     if entry.persistent:
       out.append(jax.device_put(jnp.asarray(leaf), NamedSharding(mesh, spec)))
     else:
@@ -68,8 +70,21 @@ def unshard(sharded: Any, schedule) -> Any:
     if tuple(leaf.shape) != expected:
       raise ZjaxError(f"Sharded leaf {entry.path} has shape {tuple(leaf.shape)}; the "
                       f"schedule's layout stores it flat as {expected}.")
-    out.append(jnp.asarray(leaf)[:entry.size].reshape(entry.shape))
+    out.append(_natural_shape(leaf, entry))
   return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _natural_shape(leaf, entry):
+  """Un-pad and reshape a flat sharded leaf into a replicated natural-shape array."""
+  sharding = getattr(leaf, "sharding", None)
+  if not isinstance(sharding, NamedSharding):
+    return jnp.asarray(leaf)[:entry.size].reshape(entry.shape)
+  mesh = sharding.mesh
+
+  def natural(x):
+    return place(x, mesh, P())[:entry.size].reshape(entry.shape)
+
+  return jax.jit(natural, out_shardings=NamedSharding(mesh, P()))(leaf)
 
 
 def check_mesh(schedule, mesh) -> None:

@@ -19,6 +19,9 @@
 import dataclasses
 from typing import Any, Callable
 
+import jax
+import numpy as np
+
 from zjax._src import ir
 from zjax._src import segments as seg_lib
 from zjax._src.config import ZeroConfig
@@ -36,7 +39,10 @@ def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
     loss_fn: `(params, batch) -> scalar loss`; any pure JAX function (Flax linen: wrap
       `model.apply`; NNX: merge the split graph inside).
     params, batch: example pytrees of arrays or `jax.ShapeDtypeStruct`s (no device memory is
-      needed: planning is analytic).
+      needed: planning is analytic). `batch` is the global batch; the program is traced on
+      one device's share of it (leading dimensions / N), which is what the executor runs.
+      If some leading dimension does not divide by N (planning for more devices than the
+      example batch has rows), the batch is traced as given.
     mesh: the mesh to run on; N is its size along `config.axis_name`.
     num_devices: N, instead of a mesh (e.g. to plan for more devices than are present).
     config: the knobs; `ZeroConfig()` by default.
@@ -53,7 +59,18 @@ def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
   if not isinstance(config, ZeroConfig):
     raise TypeError(f"config must be a zjax.ZeroConfig, got {type(config).__name__}.")
   n = _resolve_num_devices(mesh, num_devices, config.axis_name)
-  return plan_schedule(trace_program(loss_fn, params, batch), config, n)
+  return plan_schedule(trace_program(loss_fn, params, per_device_batch(batch, n)), config, n)
+
+
+def per_device_batch(batch, num_devices: int):
+  """Shapes of one device's share of the global batch (0-d leaves are replicated), or the
+  batch's own shapes when a leading dimension does not divide by `num_devices`."""
+  leaves = jax.tree.leaves(batch)
+  if any(np.ndim(x) and np.shape(x)[0] % num_devices for x in leaves):
+    return batch
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      (np.shape(x)[0] // num_devices,) + tuple(np.shape(x)[1:]) if np.ndim(x) else (),
+      x.dtype), batch)
 
 
 def plan_schedule(trace: ProgramTrace, config: ZeroConfig, num_devices: int) -> Schedule:

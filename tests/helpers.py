@@ -1,0 +1,69 @@
+"""Shared test helpers: meshes of N simulated devices and the parity check against plain JAX."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import zjax
+
+RTOL = 1e-5  # fp32
+ATOL = 1e-6
+
+
+def mesh_of(n: int, explicit: bool = True):
+  kw = {} if explicit else {"axis_types": (jax.sharding.AxisType.Auto,)}
+  return jax.make_mesh((n,), ("fsdp",), devices=jax.devices()[:n], **kw)
+
+
+def run_zjax(loss_fn, params, batch, *, n=8, config=None, mesh=None):
+  """(schedule, loss, natural-shape grads, compiled step) of zjax on n devices."""
+  mesh = mesh or mesh_of(n)
+  schedule = zjax.compile_schedule(loss_fn, params, batch, mesh=mesh, config=config)
+  step = zjax.value_and_grad(loss_fn, schedule, mesh=mesh)
+  sharded = zjax.shard(params, schedule, mesh)
+  loss, grads = step(sharded, batch)
+  return schedule, loss, zjax.unshard(grads, schedule), step.lower(sharded, batch).compile()
+
+
+def reference(loss_fn, params, batch):
+  """Plain single-device jax.value_and_grad (integer leaves: zero gradient)."""
+  loss, grads = jax.value_and_grad(loss_fn, allow_int=True)(params, batch)
+  grads = jax.tree.map(
+      lambda g, p: jnp.zeros(p.shape, p.dtype) if g.dtype == jax.dtypes.float0 else g,
+      grads, params)
+  return loss, grads
+
+
+def assert_parity(loss_fn, params, batch, *, n=8, config=None, rtol=RTOL, atol=ATOL):
+  schedule, loss, grads, compiled = run_zjax(loss_fn, params, batch, n=n, config=config)
+  ref_loss, ref_grads = reference(loss_fn, params, batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=rtol, atol=atol)
+  assert_trees_close(grads, ref_grads, rtol=rtol, atol=atol)
+  return schedule, compiled
+
+
+def assert_trees_close(a, b, *, rtol=RTOL, atol=ATOL):
+  paths_a = jax.tree_util.tree_flatten_with_path(a)[0]
+  leaves_b = jax.tree.leaves(b)
+  assert len(paths_a) == len(leaves_b)
+  for (path, x), y in zip(paths_a, leaves_b):
+    assert x.shape == y.shape and x.dtype == y.dtype, (jax.tree_util.keystr(path), x, y)
+    np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=rtol,
+                               atol=atol, err_msg=jax.tree_util.keystr(path))
+
+
+def mlp(num_layers=4, d=64, batch=16, seed=0):
+  keys = jax.random.split(jax.random.key(seed), num_layers + 2)
+  params = {f"layer{i}": {"kernel": jax.random.normal(keys[i], (d, d)) / np.sqrt(d),
+                          "bias": jax.random.normal(keys[i], (d,)) * 0.1}
+            for i in range(num_layers)}
+  batch = {"x": jax.random.normal(keys[-2], (batch, d)),
+           "y": jax.random.normal(keys[-1], (batch, d))}
+
+  def loss(p, b):
+    x = b["x"]
+    for i in range(num_layers):
+      x = jnp.tanh(x @ p[f"layer{i}"]["kernel"] + p[f"layer{i}"]["bias"])
+    return jnp.mean((x - b["y"]) ** 2)
+
+  return loss, params, batch

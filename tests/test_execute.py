@@ -1,0 +1,314 @@
+"""value_and_grad: same loss and gradients as plain single-device JAX (fp32 rtol 1e-5), on 8,
+4 and 1 devices, for real models and every case the trace pass supports."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_parity, assert_trees_close, mesh_of, mlp, run_zjax
+
+import zjax
+
+SHARD_ALL = zjax.ZeroConfig(param_persistence_threshold=0, max_reuse_distance=0,
+                            prefetch_bucket_size=0)
+
+
+@pytest.mark.parametrize("n", [8, 4, 1])
+def test_mlp(n):
+  schedule, compiled = assert_parity(*mlp(), n=n, config=SHARD_ALL)
+  if n == 1:
+    assert zjax.hlo.summarize(compiled)["all_gather_count"] == 0
+
+
+class CNN(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Conv(16, (3, 3))(x))
+    x = nn.relu(nn.Conv(16, (3, 3), strides=2)(x))
+    return nn.Dense(10)(x.mean(axis=(1, 2)))
+
+
+def test_cnn():
+  model = CNN()
+  images = jax.random.normal(jax.random.key(0), (16, 8, 8, 3))
+  labels = jnp.arange(16) % 10
+  params = model.init(jax.random.key(1), images)
+
+  def loss(p, b):
+    logits = model.apply(p, b["x"])
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits), b["y"][:, None], 1).mean()
+
+  assert_parity(loss, params, {"x": images, "y": labels},
+                config=zjax.ZeroConfig(param_persistence_threshold=100))
+
+
+def gpt_setup(n_layer=2):
+  from gpt import GPT, GPTConfig, make_loss_fn
+  cfg = GPTConfig(d_model=64, n_layer=n_layer, n_head=4, d_ff=128, seq_len=16)
+  model = GPT(cfg)
+  tokens = jax.random.randint(jax.random.key(0), (8, cfg.seq_len + 1), 0, cfg.vocab_size)
+  params = model.init(jax.random.key(1), tokens[:, :-1])
+  return make_loss_fn(model), params, {"tokens": tokens}
+
+
+@pytest.mark.parametrize("n", [8, 4])
+def test_gpt_tied_embeddings_odd_vocab(n):
+  loss, params, batch = gpt_setup()
+  assert params["params"]["embed"]["embedding"].shape[0] % 8 != 0
+  schedule, _ = assert_parity(loss, params, batch, n=n, config=zjax.ZeroConfig(
+      param_persistence_threshold=256, max_reuse_distance=5000, prefetch_bucket_size=5000))
+  embedding = schedule.param("['params']['embed']['embedding']")
+  assert not embedding.persistent and len(embedding.uses) == 2
+
+
+def test_nnx():
+  from nnx_mlp import make_model, split_model
+  loss, params = split_model(make_model(d_in=16, d_hidden=32, n_classes=10, n_layers=2))
+  batch = {"x": jax.random.normal(jax.random.key(0), (16, 16)), "y": jnp.arange(16) % 10}
+  assert_parity(loss, params, batch, config=zjax.ZeroConfig(param_persistence_threshold=64))
+
+
+def test_tied_and_reused_weights_sum_their_gradients():
+  params = {"emb": jax.random.normal(jax.random.key(0), (32, 16)),
+            "w": jax.random.normal(jax.random.key(1), (16, 16)) / 4}
+
+  def loss(p, b):
+    h = b["x"] @ p["emb"]
+    for _ in range(3):  # one layer applied three times
+      h = jnp.tanh(h @ p["w"])
+    return jnp.mean((h @ p["emb"].T - b["x"]) ** 2)
+
+  batch = {"x": jax.random.normal(jax.random.key(2), (8, 32))}
+  for reuse in (0, 10**9):  # released and re-gathered between uses, or kept
+    assert_parity(loss, params, batch, config=dataclass_replace(SHARD_ALL,
+                                                                max_reuse_distance=reuse))
+
+
+def dataclass_replace(cfg, **kw):
+  import dataclasses
+  return dataclasses.replace(cfg, **kw)
+
+
+class _Decoder(nn.Module):
+  @nn.compact
+  def __call__(self, h, w):
+    return h @ w.T
+
+
+class _Tied(nn.Module):
+  def setup(self):
+    self.enc = nn.Dense(16)
+    self.dec = _Decoder()
+
+  def __call__(self, x):
+    return self.dec(jnp.tanh(self.enc(x)), self.enc.variables["params"]["kernel"])
+
+
+def test_param_used_outside_its_module():
+  model = _Tied()
+  x = jax.random.normal(jax.random.key(0), (8, 16))
+  params = model.init(jax.random.key(1), x)
+  assert_parity(lambda p, b: jnp.mean((model.apply(p, b) - b) ** 2), params, x,
+                config=SHARD_ALL)
+
+
+def test_unused_zero_sized_scalar_odd_and_int_leaves():
+  params = {"unused": jnp.ones((5, 7)), "empty": jnp.ones((0, 4)), "scale": jnp.float32(1.5),
+            "odd": jax.random.normal(jax.random.key(0), (13, 7)) / 4,
+            "perm": jnp.array([3, 1, 0, 2, 6, 5, 4], jnp.int32)}
+
+  def loss(p, b):
+    h = jnp.tanh(b @ p["odd"]) * p["scale"] + p["empty"].sum()
+    return jnp.mean(h[:, p["perm"]] ** 3)
+
+  batch = jax.random.normal(jax.random.key(2), (8, 13))
+  schedule, _ = assert_parity(loss, params, batch, config=SHARD_ALL)
+  assert not schedule.param("['unused']").persistent
+  assert schedule.param("['empty']").persistent
+  assert not schedule.param("['perm']").persistent  # int leaves are sharded and gathered too
+  _, _, grads, _ = run_zjax(loss, params, batch, config=SHARD_ALL)
+  np.testing.assert_array_equal(grads["unused"], 0)
+  np.testing.assert_array_equal(grads["perm"], 0)
+  assert grads["perm"].dtype == jnp.int32
+
+
+def test_bf16_leaves():
+  params = {f"w{i}": (jax.random.normal(jax.random.key(i), (16, 16)) / 4).astype(jnp.bfloat16)
+            for i in range(3)}
+
+  def loss(p, x):
+    h = x.astype(jnp.bfloat16)
+    for i in range(3):
+      h = jnp.tanh(h @ p[f"w{i}"])
+    return jnp.mean(h.astype(jnp.float32) ** 2)
+
+  x = jax.random.normal(jax.random.key(5), (8, 16))
+  schedule, _, grads, _ = run_zjax(loss, params, x, config=SHARD_ALL)
+  assert all(b.dtype == "bfloat16" for b in schedule.buckets)
+  from helpers import reference
+  ref_loss, ref = reference(loss, params, x)
+  assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(grads))
+  # same bf16 computation; bf16 rounding differs with the per-device batch split
+  assert_trees_close(grads, ref, rtol=2e-2, atol=1e-3)
+
+
+COND_PARAMS = {k: jax.random.normal(jax.random.key(i), (16, 16)) / 4
+               for i, k in enumerate("abc")}
+
+
+def cond_loss(p, b):
+  h = jax.lax.cond(b["flag"] > 0, lambda h: jnp.tanh(h @ p["a"]), lambda h: h @ p["b"], b["x"])
+  i = jnp.clip(b["choice"], 0, 2)
+  h = jax.lax.switch(i, [lambda h: h, lambda h: jnp.sin(h @ p["c"]), lambda h: -h], h)
+  return jnp.mean(h ** 2)
+
+
+@pytest.mark.parametrize("flag,choice", [(1.0, 1), (-1.0, 0), (1.0, 2)])
+def test_cond_and_switch_branches(flag, choice):
+  x = jax.random.normal(jax.random.key(10), (8, 16))
+  batch = {"x": x, "flag": jnp.float32(flag), "choice": jnp.int32(choice)}  # replicated
+  _, compiled = assert_parity(cond_loss, COND_PARAMS, batch, config=SHARD_ALL)
+  assert_no_collective_in_branches(compiled.as_text())
+
+
+def test_devices_taking_different_branches_do_not_deadlock():
+  """Per-example predicates: devices take different branches. All gathers happen outside
+  the branches, so the step completes and equals the mean of per-device computations."""
+  x = jax.random.normal(jax.random.key(11), (8, 16))
+  batch = {"x": x, "flag": jnp.where(x[:, 0] > 0, 1.0, -1.0),
+           "choice": jnp.arange(8, dtype=jnp.int32) % 3}
+  loss = lambda p, b: cond_loss(p, {"x": b["x"], "flag": b["flag"][0],
+                                    "choice": b["choice"][0]})
+  _, zloss, grads, compiled = run_zjax(loss, COND_PARAMS, batch, config=SHARD_ALL)
+  per_device = [jax.value_and_grad(loss)(COND_PARAMS, jax.tree.map(lambda a: a[i:i + 1], batch))
+                for i in range(8)]
+  assert len({float(b["flag"][0]) for b in [jax.tree.map(lambda a: a[i:i + 1], batch)
+                                            for i in range(8)]}) == 2
+  np.testing.assert_allclose(zloss, np.mean([l for l, _ in per_device]), rtol=1e-5)
+  assert_trees_close(grads, jax.tree.map(lambda *g: sum(g) / 8, *[g for _, g in per_device]))
+  assert_no_collective_in_branches(compiled.as_text())
+
+
+def assert_no_collective_in_branches(hlo_text):
+  import re
+  branches = set()
+  for m in re.finditer(r"branch_computations=\{([^}]*)\}", hlo_text):
+    branches.update(name.strip().lstrip("%") for name in m.group(1).split(","))
+  for m in re.finditer(r"true_computation=%?([\w.\-]+).*false_computation=%?([\w.\-]+)",
+                       hlo_text):
+    branches.update(m.groups())
+  colls = zjax.hlo.collectives(hlo_text)
+  assert colls and not [c for c in colls if c.computation in branches]
+
+
+def test_remat_blocks():
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return x + nn.Dense(16)(jnp.tanh(nn.Dense(16)(x)))
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for _ in range(2):
+        x = nn.remat(Block)()(x)
+      return x
+
+  model = Model()
+  x = jax.random.normal(jax.random.key(0), (8, 16))
+  params = model.init(jax.random.key(1), x)
+  assert_parity(lambda p, b: jnp.mean(model.apply(p, b) ** 2), params, x, config=SHARD_ALL)
+
+
+def test_dropout_with_rng_in_batch():
+  """A 0-d key in the batch is replicated: each device draws its own local-batch mask from
+  it, which is data parallelism's semantics; the reference is the mean over devices of
+  the same per-device computation."""
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x, key):
+      h = nn.Dense(16)(x)
+      h = nn.Dropout(0.5, deterministic=False)(h, rng=key)
+      return nn.Dense(4)(h)
+
+  model = Model()
+  x = jax.random.normal(jax.random.key(0), (8, 16))
+  params = model.init(jax.random.key(1), x, jax.random.key(2))
+  loss = lambda p, b: jnp.mean(model.apply(p, b["x"], b["key"]) ** 2)
+  batch = {"x": x, "key": jax.random.key(3)}
+  _, zloss, grads, _ = run_zjax(loss, params, batch, config=SHARD_ALL)
+  slices = [{"x": x[i:i + 1], "key": batch["key"]} for i in range(8)]
+  per_device = [jax.value_and_grad(loss)(params, b) for b in slices]
+  np.testing.assert_allclose(zloss, np.mean([l for l, _ in per_device]), rtol=1e-5)
+  mean_grads = jax.tree.map(lambda *g: sum(g) / 8, *[g for _, g in per_device])
+  assert_trees_close(grads, mean_grads)
+
+
+@pytest.mark.parametrize("explicit", [True, False])
+def test_explicit_and_auto_meshes_and_numpy_batch(explicit):
+  loss, params, batch = mlp(num_layers=2)
+  mesh = mesh_of(8, explicit)
+  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=SHARD_ALL)
+  step = zjax.value_and_grad(loss, schedule, mesh=mesh)
+  numpy_batch = jax.tree.map(np.asarray, batch)
+  l, g = step(zjax.shard(params, schedule, mesh), numpy_batch)
+  ref_l, ref_g = jax.value_and_grad(loss)(params, batch)
+  np.testing.assert_allclose(l, ref_l, rtol=1e-5)
+  assert_trees_close(zjax.unshard(g, schedule), ref_g)
+
+
+def test_numerics_do_not_depend_on_the_knobs():
+  loss, params, batch = gpt_setup()
+  configs = [
+      zjax.ZeroConfig(param_persistence_threshold=0, prefetch_bucket_size=0,
+                      max_reuse_distance=0),
+      zjax.ZeroConfig(param_persistence_threshold=0, prefetch_bucket_size=10**9),
+      zjax.ZeroConfig(param_persistence_threshold=1000, max_live_parameters=40_000,
+                      max_reuse_distance=3000, prefetch_bucket_size=9000),
+      zjax.ZeroConfig(),  # default threshold: everything of this small model persistent
+  ]
+  results = [run_zjax(loss, params, batch, config=c)[1:3] for c in configs]
+  for loss_value, grads in results[1:]:
+    np.testing.assert_allclose(loss_value, results[0][0], rtol=1e-6)
+    assert_trees_close(grads, results[0][1], rtol=1e-6, atol=1e-7)
+
+
+def test_second_call_does_not_recompile():
+  loss, params, batch = mlp(num_layers=2)
+  mesh = mesh_of(8)
+  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=SHARD_ALL)
+  step = zjax.value_and_grad(loss, schedule, mesh=mesh)
+  sharded = zjax.shard(params, schedule, mesh)
+  step(sharded, batch)
+  with jax.log_compiles():
+    import logging
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("jax").addHandler(handler)
+    try:
+      step(sharded, batch)
+    finally:
+      logging.getLogger("jax").removeHandler(handler)
+  assert not [r for r in records if "Compiling" in r.getMessage()]
+
+
+def test_bad_batch_and_mismatched_schedule():
+  loss, params, batch = mlp(num_layers=2)
+  mesh = mesh_of(8)
+  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=SHARD_ALL)
+  step = zjax.value_and_grad(loss, schedule, mesh=mesh)
+  sharded = zjax.shard(params, schedule, mesh)
+  bad = {"x": batch["x"][:12], "y": batch["y"][:12]}
+  with pytest.raises(zjax.ZjaxError, match=r"Batch leaf \['x'\] .* 12, not divisible by the 8"):
+    step(sharded, bad)
+  other_loss = lambda p, b: jnp.mean(jax.nn.relu(b["x"] @ p["layer0"]["kernel"]))
+  with pytest.raises(zjax.ScheduleMismatchError):
+    zjax.value_and_grad(other_loss, schedule, mesh=mesh)(sharded, batch)
+  with pytest.raises(zjax.ZjaxError, match="planned for 8 devices"):
+    zjax.value_and_grad(loss, schedule, mesh=mesh_of(4))
+  with pytest.raises(zjax.ZjaxError, match="compute_dtype"):
+    bf16 = zjax.compile_schedule(loss, params, batch, mesh=mesh,
+                                 config=zjax.ZeroConfig(compute_dtype=jnp.bfloat16))
+    zjax.value_and_grad(loss, bf16, mesh=mesh)
