@@ -132,7 +132,7 @@ class _DeviceProgram:
     state.start_backward(loss_id, loss)
     for step in self.s.backward:
       state.backward_step(step)
-    return lax.pmean(loss, self.axis), state.gradients()
+    return state.mean_over_devices(loss), state.gradients()
 
 
 class _State:
@@ -263,12 +263,18 @@ class _State:
       (ct,) = jax.linear_transpose(lambda x: seg_lib.apply_chain(chain, x), base)(ct)
     self.full_grads[param] = ct if param not in self.full_grads else self.full_grads[param] + ct
 
+  def mean_over_devices(self, tree):
+    """pmean over the mesh axis; on one device nothing to reduce (no collective at all)."""
+    if self.dp.n == 1 or not jax.tree.leaves(tree):
+      return tree
+    return lax.pmean(tree, self.dp.axis)
+
   def gradients(self) -> list:
     s, out, persistent = self.dp.s, [], {}
     for i, entry in enumerate(s.params):
       if entry.persistent and ir.is_float(entry.dtype) and i in self.full_grads:
         persistent[i] = self.full_grads.pop(i)
-    persistent = lax.pmean(persistent, self.dp.axis) if persistent else {}
+    persistent = self.mean_over_devices(persistent)
     for i, entry in enumerate(s.params):
       if entry.persistent:
         out.append(persistent.get(i, jnp.zeros(entry.shape, entry.dtype)))

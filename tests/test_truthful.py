@@ -1,0 +1,134 @@
+"""The compiled program does what the schedule says: collective counts and bytes equal the
+schedule's report, and per-device memory stays within its predicted bound.
+
+Runs with XLA's barrier-removing pass disabled (tests/conftest.py), so that CPU programs keep
+the order a GPU would.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import mlp, run_zjax
+
+import zjax
+
+D = 256
+W1 = D * D * 4  # bytes of one layer's weight
+
+
+def deep_mlp(num_layers=8):
+  """DESIGN.md's reference model: 8 layers, D=256, tiny batch (weights dominate memory)."""
+  params = {f"l{i}": {"kernel": jax.random.normal(jax.random.key(i), (D, D)) / 16}
+            for i in range(num_layers)}
+
+  def loss(p, b):
+    x = b["x"]
+    for i in range(num_layers):
+      x = jnp.tanh(x @ p[f"l{i}"]["kernel"])
+    return jnp.mean((x - b["y"]) ** 2)
+
+  batch = {"x": jax.random.normal(jax.random.key(99), (8, D)), "y": jnp.ones((8, D))}
+  return loss, params, batch
+
+
+def compiled_summary(model, config, n=8):
+  schedule, _, _, compiled = run_zjax(*model, n=n, config=config)
+  return schedule, schedule.report(), zjax.hlo.summarize(compiled)
+
+
+CONFIGS = {
+    "keep-all": zjax.ZeroConfig(param_persistence_threshold=0),
+    "no-prefetch": zjax.ZeroConfig(param_persistence_threshold=0, prefetch_bucket_size=0,
+                                   max_reuse_distance=0),
+    "prefetch-1": zjax.ZeroConfig(param_persistence_threshold=0, prefetch_bucket_size=D * D,
+                                  max_reuse_distance=0, max_live_parameters=2 * D * D),
+    "reuse-some": zjax.ZeroConfig(param_persistence_threshold=0, max_reuse_distance=5 * D * D,
+                                  prefetch_bucket_size=D * D),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_collectives_equal_the_report(name):
+  _, report, hlo = compiled_summary(deep_mlp(), CONFIGS[name])
+  for kind in ("all_gather", "reduce_scatter"):
+    assert hlo[f"{kind}_count"] == report[f"{kind}_count"], kind
+    assert hlo[f"{kind}_bytes"] == report[f"{kind}_bytes"], kind
+
+
+def test_gpt_collectives_equal_the_report():
+  from test_execute import gpt_setup
+  cfg = zjax.ZeroConfig(param_persistence_threshold=256, max_reuse_distance=5000,
+                        prefetch_bucket_size=5000)
+  _, report, hlo = compiled_summary(gpt_setup(), cfg)
+  assert report["all_gather_count"] > 0 and report["backward_all_gather_count"] > 0
+  for kind in ("all_gather", "reduce_scatter"):
+    assert (hlo[f"{kind}_count"], hlo[f"{kind}_bytes"]) == \
+        (report[f"{kind}_count"], report[f"{kind}_bytes"]), kind
+  # only persistent gradients (and the loss) are all-reduced
+  assert hlo["all_reduce_bytes"] <= report["persistent_grad_all_reduce_bytes"] + 16
+
+
+def test_no_all_reduce_beyond_persistent_params_and_scalars():
+  _, report, hlo = compiled_summary(mlp(), zjax.ZeroConfig(param_persistence_threshold=64))
+  assert report["persistent_grad_all_reduce_bytes"] == 4 * 64 * 4  # the biases
+  assert hlo["all_reduce_bytes"] <= report["persistent_grad_all_reduce_bytes"] + 16
+  _, report, hlo = compiled_summary(mlp(), zjax.ZeroConfig(param_persistence_threshold=0))
+  assert hlo["all_reduce_bytes"] <= 16  # the loss only
+
+
+def test_one_device_has_no_collectives():
+  _, report, hlo = compiled_summary(mlp(), zjax.ZeroConfig(param_persistence_threshold=0), n=1)
+  assert report["all_gather_count"] == report["reduce_scatter_count"] == 0
+  assert hlo["all_gather_count"] == hlo["reduce_scatter_count"] == hlo["all_reduce_count"] == 0
+
+
+def test_max_reuse_distance_changes_backward_gathers_as_predicted():
+  keep = compiled_summary(deep_mlp(), CONFIGS["keep-all"])
+  release = compiled_summary(deep_mlp(), CONFIGS["no-prefetch"])
+  assert keep[1]["backward_all_gather_count"] == 0
+  assert release[1]["backward_all_gather_count"] == 6  # layer 0 needs no weights, 7 is kept
+  assert release[2]["all_gather_count"] - keep[2]["all_gather_count"] == 6
+
+
+def test_memory_within_the_predicted_bound():
+  """temp <= predicted peak live params + live gradients + one bucket of slack (the packed
+  gradient / gathered buffer being written) + the activations (here ~0: batch of 1 row)."""
+  for name, config in CONFIGS.items():
+    _, report, hlo = compiled_summary(deep_mlp(), config)
+    bound = report["peak_live_param_bytes"] + report["peak_live_grad_bytes"] + W1 + 0.05 * W1
+    assert hlo["temp_bytes"] <= bound, (name, hlo["temp_bytes"] / W1, bound / W1)
+
+
+def test_lower_max_live_parameters_lowers_memory():
+  keep = compiled_summary(deep_mlp(), CONFIGS["keep-all"])[2]["temp_bytes"]
+  capped = compiled_summary(deep_mlp(), zjax.ZeroConfig(
+      param_persistence_threshold=0, max_live_parameters=2 * D * D))[2]["temp_bytes"]
+  assert capped < 0.55 * keep  # 4 layers of weights instead of 8
+  assert capped <= 4.1 * W1  # 2 live layers + 1 gradient + 1 bucket of slack
+
+
+def test_residuals_hold_no_gathered_parameters():
+  """What backward keeps from forward (argument + temp) does not grow with the gathered
+  parameters: with nothing kept across the turn, memory is ~3 layers, not ~8."""
+  _, _, hlo = compiled_summary(deep_mlp(), CONFIGS["no-prefetch"])
+  assert hlo["temp_bytes"] < 3.1 * W1
+
+
+def test_hlo_parser_on_async_and_sync_forms():
+  text = """HloModule m
+
+ENTRY %main {
+  %a = f32[8,512]{1,0} all-gather(%x), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %b = (f32[64]{0}, f32[512]{0}) all-gather-start(%y), replica_groups=[1,8]<=[8], dimensions={0}
+  %c = f32[512]{0} all-gather-done(%b)
+  %d = bf16[1,512]{1,0} reduce-scatter(%z), replica_groups=[1,8]<=[8], dimensions={0}
+  %e = (f32[4]{0}, f32[]) all-reduce(%p, %q), replica_groups={{0,1}}
+  ROOT %f = f32[16]{0} all-reduce-start(%r), replica_groups={{0,1}}
+}
+"""
+  colls = zjax.hlo.collectives(text)
+  assert [(c.kind, c.bytes) for c in colls] == [
+      ("all_gather", 8 * 512 * 4), ("all_gather", 512 * 4), ("reduce_scatter", 8 * 512 * 2),
+      ("all_reduce", 16 + 4), ("all_reduce", 64)]
+  assert {c.computation for c in colls} == {"main"}
