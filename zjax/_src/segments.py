@@ -12,6 +12,8 @@ import dataclasses
 
 import jax
 import jax.extend.core as jex
+# JAX has no public dead-code elimination; this one is what jit itself applies.
+from jax._src.interpreters import partial_eval as pe
 import jax.numpy as jnp
 import numpy as np
 
@@ -71,8 +73,20 @@ def needs_gradient(program: FlatProgram, num_params, param_dtypes) -> set[int]:
   return dependent
 
 
+# Residual policy of a segment's vjp: keep the outputs of matmuls and convolutions (costly to
+# recompute) and recompute elementwise work in backward. Measured on the 8-layer GPT example
+# (8 devices): per-device temp 14.3 -> 8.3 MiB at the same step time (keeping everything that
+# jax.vjp saves per segment duplicates residuals that one whole-program vjp would share).
+_SAVED_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def _save_matmul_outputs(prim, *_, **__) -> bool:
+  return prim.name in _SAVED_PRIMITIVES
+
+
 def segment_fn(io: SegmentIO):
-  """`(param view values, activation values) -> output values` of a segment."""
+  """`(param view values, activation values) -> output values` of a segment, rematerialised
+  in backward except for matmul/convolution outputs."""
   def run(params, acts):
     env = dict(zip(io.param_inputs, params))
     env.update(zip(io.act_inputs, acts))
@@ -80,7 +94,7 @@ def segment_fn(io: SegmentIO):
       outs = apply_op(op, [a.val if isinstance(a, jex.Literal) else env[a] for a in op.inputs])
       env.update(zip(op.outputs, outs))
     return [env[o] for o in io.outputs]
-  return run
+  return jax.checkpoint(run, policy=_save_matmul_outputs)
 
 
 def apply_op(op, invals) -> list:
@@ -153,12 +167,10 @@ def backward_param_needs(io: SegmentIO, avals, wanted_act_cts) -> set[int]:
 
 
 def _used_invars(jaxpr) -> set:
-  """Variables the outputs depend on (a conservative dead-code analysis)."""
-  used = {v for v in jaxpr.outvars if isinstance(v, jex.Var)}
-  for eqn in reversed(jaxpr.eqns):
-    if eqn.effects or any(v in used for v in eqn.outvars):
-      used.update(v for v in eqn.invars if isinstance(v, jex.Var))
-  return used
+  """Input variables the outputs depend on, by JAX's own dead-code elimination, which looks
+  inside remat, jit, scan, cond and while (as XLA will)."""
+  _, used_inputs = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+  return {v for v, used in zip(jaxpr.invars, used_inputs) if used}
 
 
 def _spec(x):
