@@ -312,3 +312,46 @@ def test_bad_batch_and_mismatched_schedule():
     bf16 = zjax.compile_schedule(loss, params, batch, mesh=mesh,
                                  config=zjax.ZeroConfig(compute_dtype=jnp.bfloat16))
     zjax.value_and_grad(loss, bf16, mesh=mesh)
+
+
+def test_scanned_gpt_gathers_the_stack_before_the_scan():
+  from gpt import GPT, GPTConfig, make_loss_fn
+  cfg = GPTConfig(d_model=64, n_layer=3, n_head=4, d_ff=128, seq_len=16, scan_layers=True)
+  model = GPT(cfg)
+  tokens = jax.random.randint(jax.random.key(0), (8, cfg.seq_len + 1), 0, cfg.vocab_size)
+  params = model.init(jax.random.key(1), tokens[:, :-1])
+  schedule, _ = assert_parity(make_loss_fn(model), params, {"tokens": tokens},
+                              config=zjax.ZeroConfig(param_persistence_threshold=1024))
+  stacked = [p for p in schedule.params if "'layers'" in p.path and not p.persistent]
+  assert stacked and all(p.shape[0] == 3 for p in stacked)
+
+
+def test_lax_scan_fori_and_custom_derivatives():
+  """(lax.while_loop is traced, but JAX cannot reverse-differentiate it: no parity test.)"""
+  keys = jax.random.split(jax.random.key(0), 5)
+  params = {"stack": jax.random.normal(keys[0], (3, 16, 16)) / 4,
+            "loop": jax.random.normal(keys[1], (16, 16)) / 4,
+            "vjp": jax.random.normal(keys[2], (16, 16)) / 4,
+            "jvp": jax.random.normal(keys[3], (16,))}
+
+  @jax.custom_vjp
+  def matmul(x, w):
+    return x @ w
+
+  matmul.defvjp(lambda x, w: (x @ w, (x, w)), lambda r, g: (g @ r[1].T, r[0].T @ g))
+
+  @jax.custom_jvp
+  def scaled(x, s):
+    return x * s
+
+  scaled.defjvp(lambda p, t: (scaled(*p), t[0] * p[1] + p[0] * t[1]))
+
+  @jax.jit
+  def loss(p, x):
+    x, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["stack"])
+    x = jax.lax.fori_loop(0, 2, lambda i, h: jnp.tanh(h @ p["loop"]), x)
+    x = scaled(matmul(x, p["vjp"]), p["jvp"])
+    return jnp.mean(x ** 2)
+
+  x = jax.random.normal(keys[4], (8, 16))
+  assert_parity(loss, params, x, config=SHARD_ALL)
