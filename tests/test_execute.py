@@ -274,12 +274,17 @@ def test_numerics_do_not_depend_on_the_knobs():
     assert_trees_close(grads, results[0][1], rtol=1e-6, atol=1e-7)
 
 
-def test_second_call_does_not_recompile():
+def mlp_step():
+  """(loss, batch, mesh, schedule, step, sharded params) of a 2-layer MLP on 8 devices."""
   loss, params, batch = mlp(num_layers=2)
   mesh = mesh_of(8)
   schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=SHARD_ALL)
   step = zjax.value_and_grad(loss, schedule, mesh=mesh)
-  sharded = zjax.shard(params, schedule, mesh)
+  return loss, params, batch, mesh, schedule, step, zjax.shard(params, schedule, mesh)
+
+
+def test_second_call_does_not_recompile():
+  _, _, batch, _, _, step, sharded = mlp_step()
   step(sharded, batch)
   with jax.log_compiles():
     import logging
@@ -295,11 +300,7 @@ def test_second_call_does_not_recompile():
 
 
 def test_bad_batch_and_mismatched_schedule():
-  loss, params, batch = mlp(num_layers=2)
-  mesh = mesh_of(8)
-  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=SHARD_ALL)
-  step = zjax.value_and_grad(loss, schedule, mesh=mesh)
-  sharded = zjax.shard(params, schedule, mesh)
+  loss, params, batch, mesh, schedule, step, sharded = mlp_step()
   bad = {"x": batch["x"][:12], "y": batch["y"][:12]}
   with pytest.raises(zjax.ZjaxError, match=r"Batch leaf \['x'\] .* 12, not divisible by the 8"):
     step(sharded, bad)

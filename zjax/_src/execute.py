@@ -126,12 +126,12 @@ class _DeviceProgram:
   def run(self, shard_leaves, batch):
     state = _State(self, shard_leaves, batch)
     for step in self.s.forward:
-      state.forward_step(step)
+      state.run_step(step, "forward")
     (loss_id,) = self.program.output_ids
     loss = state.read(loss_id)
     state.start_backward(loss_id, loss)
     for step in self.s.backward:
-      state.backward_step(step)
+      state.run_step(step, "backward")
     return state.mean_over_devices(loss), state.gradients()
 
 
@@ -199,14 +199,19 @@ class _State:
     for i, chunk in zip(members, layout.split_chunks(mine / self.dp.n, entries, self.dp.n)):
       self.shard_grads[i] = chunk if i not in self.shard_grads else self.shard_grads[i] + chunk
 
-  # ---- forward ---------------------------------------------------------------------------
-  def forward_step(self, step):
+  def run_step(self, step, phase: str):
     if step.op == "gather":
       self.gather(step.bucket)
     elif step.op == "release":
       self.release(step.bucket)
-    else:
+    elif step.op == "reduce_scatter":
+      self.reduce_scatter(step.bucket)
+    elif phase == "forward":
       self.forward_compute(step.segment)
+    else:
+      self.backward_compute(step.segment)
+
+  # ---- forward ---------------------------------------------------------------------------
 
   def forward_compute(self, k):
     io = self.dp.segments[k]
@@ -223,16 +228,6 @@ class _State:
   def start_backward(self, loss_id, loss):
     self.cts = {loss_id: jnp.ones_like(loss)}
     self.anchor = loss  # not the constant seed: backward gathers must wait for the forward
-
-  def backward_step(self, step):
-    if step.op == "gather":
-      self.gather(step.bucket)
-    elif step.op == "release":
-      self.release(step.bucket)
-    elif step.op == "reduce_scatter":
-      self.reduce_scatter(step.bucket)
-    else:
-      self.backward_compute(step.segment)
 
   def backward_compute(self, k):
     io = self.dp.segments[k]
