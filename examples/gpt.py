@@ -41,7 +41,9 @@ class Attention(nn.Module):
     cfg = self.cfg
     b, t, d = x.shape
     head = d // cfg.n_head
-    qkv = nn.Dense(3 * d, dtype=cfg.dtype, name="qkv")(x)
+    # No qkv bias: the key bias has an exactly zero gradient (softmax ignores a shift that
+    # is the same for every key), which Adam would turn into noise-driven updates.
+    qkv = nn.Dense(3 * d, use_bias=False, dtype=cfg.dtype, name="qkv")(x)
     q, k, v = jnp.split(qkv.reshape(b, t, 3 * cfg.n_head, head), 3, axis=2)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(head).astype(cfg.dtype)
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))

@@ -8,14 +8,16 @@ Public API (everything else lives in `zjax._src` and may change):
   shard / unshard   natural-shape params <-> the schedule's sharded layout
   value_and_grad    a jitted (sharded_params, batch) -> (loss, sharded_grads) running a schedule
   zjax.hlo          collectives and memory of a compiled program
+  zero3             the trainer: init / step / gather_params, optax on the shards
 """
 
 from zjax._src.config import ZeroConfig
 from zjax import hlo
 from zjax._src.errors import ScheduleError, ScheduleMismatchError, TraceError, ZjaxError
 from zjax._src.execute import value_and_grad
-from zjax._src.layout import shard, unshard
+from zjax._src.layout import per_device_bytes, shard, unshard
 from zjax._src.plan import compile_schedule
+from zjax._src.train import NonFiniteError, TrainState, Zero3, sharded_init, zero3
 from zjax._src.schedule import Schedule
 from zjax._src.trace import trace_program
 
@@ -28,6 +30,12 @@ __all__ = [
     "unshard",
     "value_and_grad",
     "hlo",
+    "zero3",
+    "sharded_init",
+    "per_device_bytes",
+    "Zero3",
+    "TrainState",
+    "NonFiniteError",
     "ZjaxError",
     "TraceError",
     "ScheduleError",

@@ -34,7 +34,9 @@ def place(x, mesh, spec):
 def shard(params: Any, schedule, mesh) -> Any:
   """Place natural-shape `params` into the schedule's layout on `mesh`.
 
-  Accepts numpy or jax arrays on any placement. Padding is always zero.
+  Accepts numpy or jax arrays on any placement. Padding is always zero. Host (numpy) leaves
+  are padded on the host and sent straight to their shards; device leaves are laid out by
+  one compiled program.
 
   Example:
     >>> sharded = zjax.shard(params, schedule, mesh)       # doctest: +SKIP
@@ -43,19 +45,53 @@ def shard(params: Any, schedule, mesh) -> Any:
   """
   check_mesh(schedule, mesh)
   leaves, treedef = matching_leaves(params, schedule, "params")
-  out = []
-  for leaf, entry, spec in zip(leaves, schedule.params, param_specs(schedule)):
+  shardings = [NamedSharding(mesh, spec) for spec in param_specs(schedule)]
+  out = [None] * len(leaves)
+  on_device = []
+  for i, (leaf, entry) in enumerate(zip(leaves, schedule.params)):
     _check_leaf(leaf, entry)
-    if isinstance(leaf, jax.Array) and leaf.sharding.device_set != set(mesh.devices.flat):
-      leaf = np.asarray(leaf)  # placed on other devices than the mesh's: through the host
-    if entry.persistent:
-      out.append(jax.device_put(jnp.asarray(leaf), NamedSharding(mesh, spec)))
+    if isinstance(leaf, jax.Array):
+      on_device.append(i)
     else:
-      pad = ir.padded_size(entry.size, schedule.num_devices) - entry.size
-      flat = jax.jit(lambda x, pad=pad: jnp.pad(jnp.ravel(x), (0, pad)),
-                     out_shardings=NamedSharding(mesh, spec))
-      out.append(flat(leaf))
+      host = np.asarray(leaf)
+      host = host if entry.persistent else np.pad(
+          host.ravel(), (0, ir.padded_size(entry.size, schedule.num_devices) - entry.size))
+      out[i] = jax.device_put(host, shardings[i])
+  if on_device:
+    laid_out = _lay_out_on_devices([leaves[i] for i in on_device],
+                                   [schedule.params[i] for i in on_device],
+                                   [shardings[i] for i in on_device], schedule, mesh)
+    for i, x in zip(on_device, laid_out):
+      out[i] = x
   return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _lay_out_on_devices(leaves, entries, shardings, schedule, mesh):
+  """One program for all device leaves. A leaf on other devices than the mesh's goes
+  through the host; one sharded some other way is replicated first, inside the program."""
+  devices = set(mesh.devices.flat)
+  leaves = [np.asarray(x) if x.sharding.device_set != devices else x for x in leaves]
+
+  def lay_out(xs):
+    return [x if e.persistent else
+            flat_padded(place(x, mesh, P()), e, schedule.num_devices)
+            for x, e in zip(xs, entries)]
+
+  return jax.jit(lay_out, out_shardings=shardings)(leaves)
+
+
+def flat_padded(x, entry, num_devices):
+  """A natural-shape leaf as its flat storage: raveled, zero-padded to a multiple of N."""
+  return jnp.pad(jnp.ravel(x), (0, ir.padded_size(entry.size, num_devices) - entry.size))
+
+
+def per_device_bytes(tree) -> int:
+  """Bytes a pytree of jax arrays occupies on its most loaded device."""
+  per_device: dict = {}
+  for leaf in jax.tree.leaves(tree):
+    for shard in leaf.addressable_shards:
+      per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+  return max(per_device.values(), default=0)
 
 
 def unshard(sharded: Any, schedule) -> Any:

@@ -1,0 +1,235 @@
+"""The zero3 trainer: a NamedTuple of pure functions, in the style of optax.
+
+The optimizer runs on the sharded layout: every leaf is the flat, zero-padded array whose
+1/N chunks live on the devices, so under `jit` element-wise optimizer math touches only
+each device's own chunk, while global quantities (the gradient norm for clipping, per-leaf
+norms for trust ratios) are exact reductions over all devices. Padding stays zero: its
+gradients are zero, and `zero3` refuses an optimizer that would move it (see optcheck.py).
+"""
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+# No public dead-code elimination in JAX; this is the one jit applies.
+from jax._src.interpreters import partial_eval as pe
+
+from zjax._src import ir, layout, optcheck
+from zjax._src.errors import ZjaxError
+from zjax._src.execute import value_and_grad
+
+
+class TrainState(NamedTuple):
+  """Everything that changes during training, sharded like the schedule's layout."""
+  step: jax.Array  # int32 scalar: optimizer steps taken
+  params: Any  # the parameters in the sharded layout
+  opt_state: Any  # optax state over the trainable leaves of the sharded layout
+
+
+class Zero3(NamedTuple):
+  """The trainer's pure functions (see `zero3`)."""
+  init: Callable  # natural-shape params -> TrainState
+  init_from: Callable  # (init_fn, *args) -> TrainState, never holding the whole model
+  step: Callable  # (TrainState, batch) -> (TrainState, metrics); jitted, state donated
+  gather_params: Callable  # TrainState -> natural-shape params
+
+
+class NonFiniteError(FloatingPointError):
+  """Raised (with on_nonfinite="raise") when a step's loss or gradients are not finite. The
+  step left the state unchanged; it is available as `.state`."""
+
+  def __init__(self, message, state):
+    super().__init__(message)
+    self.state = state
+
+
+def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, *, mesh,
+          accumulation_steps: int = 1, on_nonfinite: str = "skip") -> Zero3:
+  """A ZeRO-3 trainer for `loss_fn(params, batch) -> scalar` running `schedule` on `mesh`.
+
+  Args:
+    loss_fn: a mean-over-batch loss (see `value_and_grad`).
+    optimizer: any optax transformation that acts on each parameter element-wise or through
+      global / per-leaf norms; shape-dependent ones (factored moments, matrix
+      orthogonalisation) are refused with an error naming the parameter where they differ.
+    schedule: from `compile_schedule`, for this mesh.
+    accumulation_steps: K micro-batches per step; the global batch's leading dimension is
+      split into K equal micro-batches (each divisible by N). Equals one step on the batch.
+    on_nonfinite: "skip" (default) leaves the state unchanged when the loss or gradient norm
+      is not finite and reports it in metrics; "raise" also raises `NonFiniteError`.
+
+  Example:
+    >>> trainer = zjax.zero3(loss_fn, optax.adamw(1e-3), schedule, mesh=mesh)  # doctest: +SKIP
+    >>> state = trainer.init(params)                                          # doctest: +SKIP
+    >>> state, metrics = trainer.step(state, batch)                           # doctest: +SKIP
+  """
+  _check_args(optimizer, accumulation_steps, on_nonfinite)
+  layout.check_mesh(schedule, mesh)
+  trainable = _trainable_fn(schedule)
+  masked_opt = optax.masked(optimizer, trainable)  # non-float leaves: no optimizer state
+  grad_fn = value_and_grad(loss_fn, schedule, mesh=mesh)
+
+  def init(params) -> TrainState:
+    """Shard `params` and initialise the optimizer on the shards. The optimizer is checked
+    for shard-compatibility here, where the parameters' structure is first known."""
+    return _state_from(layout.shard(params, schedule, mesh))
+
+  def init_from(init_fn: Callable, *args) -> TrainState:
+    """Build the sharded state from `init_fn(*args) -> params` (e.g. a Flax `model.init`)
+    in one compiled program whose outputs are the shards: no device holds the whole model
+    (see `sharded_init` for its memory analysis)."""
+    return _state_from(sharded_init(init_fn, schedule, mesh)(*args))
+
+  def _state_from(sharded) -> TrainState:
+    optcheck.check_optimizer(masked_opt, schedule, mesh, jax.tree_util.tree_structure(sharded),
+                             jax.tree.leaves(trainable(sharded)),
+                             name=optcheck.transform_name(optimizer))
+    with jax.set_mesh(mesh):  # optax creates unsharded scalars: Explicit meshes need context
+      opt_state = jax.jit(masked_opt.init)(sharded)
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=sharded, opt_state=opt_state)
+    return _on_mesh(state, mesh)
+
+  def train_step(state: TrainState, batch):
+    loss, grads = _accumulated(grad_fn, state.params, batch, accumulation_steps, mesh)
+    trainable_leaves = trainable(state.params)
+    grad_norm = optax.global_norm(_select(grads, trainable_leaves))
+    updates, opt_state = masked_opt.update(grads, state.opt_state, state.params)
+    params = jax.tree.map(lambda p, u, t: optax.apply_updates(p, u) if t else p,
+                          state.params, updates, trainable_leaves)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    new = TrainState(state.step + 1, params, opt_state)
+    new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
+    return new, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
+
+  jitted = jax.jit(train_step, donate_argnums=0)
+
+  def step(state: TrainState, batch):
+    new, metrics = jitted(state, batch)
+    if on_nonfinite == "raise" and not bool(metrics["finite"]):
+      raise NonFiniteError(f"Step {int(new.step)}: the loss ({float(metrics['loss'])}) or the "
+                           f"gradient norm ({float(metrics['grad_norm'])}) is not finite; the "
+                           f"state was left unchanged (see .state).", new)
+    return new, metrics
+
+  def gather_params(state: TrainState):
+    return layout.unshard(state.params, schedule)
+
+  return Zero3(init=init, init_from=init_from, step=step, gather_params=gather_params)
+
+
+def sharded_init(init_fn: Callable, schedule, mesh) -> Callable:
+  """A jitted `(*args) -> sharded params` that runs `init_fn(*args)` and lays every leaf out
+  as the schedule says, with the shards as the program's outputs.
+
+  Leaves are built one after another (each from a dead-code-eliminated copy of init_fn's
+  program, tied to the previous leaf), and XLA partitions each to match its output
+  sharding, so a device holds its share of the model plus one leaf being built: never the
+  whole model.
+
+  Example:
+    >>> build = zjax.sharded_init(model.init, schedule, mesh)           # doctest: +SKIP
+    >>> build.lower(key, x).compile().memory_analysis()                 # doctest: +SKIP
+  """
+  specs = layout.param_specs(schedule)
+  shardings = [jax.sharding.NamedSharding(mesh, spec) for spec in specs]
+
+  def build(*args):
+    closed = jax.make_jaxpr(init_fn)(*args)
+    treedef = jax.tree_util.tree_structure(jax.eval_shape(init_fn, *args))
+    layout.matching_leaves(jax.tree_util.tree_unflatten(treedef, closed.out_avals), schedule,
+                           "init_fn(*args)")
+    program = pe.convert_constvars_jaxpr(closed.jaxpr)
+    inputs = list(closed.consts) + jax.tree.leaves(args)
+    leaves, previous = [], None
+    for i, entry in enumerate(schedule.params):
+      leaf = _one_output(program, inputs, i, previous)
+      leaves.append(leaf if entry.persistent else
+                    layout.flat_padded(leaf, entry, schedule.num_devices))
+      previous = leaves[-1]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+  def jitted(*args):
+    treedef = jax.tree_util.tree_structure(jax.eval_shape(init_fn, *args))
+    return jax.jit(build, out_shardings=jax.tree_util.tree_unflatten(treedef, shardings))
+
+  def run(*args):
+    return jitted(*args)(*args)
+
+  run.lower = lambda *args: jitted(*args).lower(*args)
+  return run
+
+
+def _one_output(program, inputs, index, previous):
+  """Output `index` of `program`, computing only what it needs, after `previous` exists."""
+  used_outputs = [j == index for j in range(len(program.outvars))]
+  sub, used_inputs = pe.dce_jaxpr(program, used_outputs)
+  args = [x for x, used in zip(inputs, used_inputs) if used]
+  if previous is not None and args:
+    args, _ = lax.optimization_barrier((args, previous))
+  (out,) = jex.jaxpr_as_fun(jex.ClosedJaxpr(sub, []))(*args)
+  return out
+
+
+def _on_mesh(tree, mesh):
+  """Leaves not placed on the mesh (scalars made on one device) become replicated on it, as
+  the step returns them: otherwise the second step would compile again."""
+  devices = set(mesh.devices.flat)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return jax.tree.map(
+      lambda x: x if x.sharding.device_set == devices else jax.device_put(x, replicated), tree)
+
+
+def _accumulated(grad_fn, params, batch, k, mesh):
+  """Mean loss and gradients over k equal micro-batches; gradients stay sharded."""
+  if k == 1:
+    return grad_fn(params, batch)
+  micro = jax.tree.map(lambda x: _split_leading(x, k, mesh) if np.ndim(x) else x, batch)
+  split = jax.tree.map(lambda x: np.ndim(x) > 0, batch)
+
+  def body(carry, i):
+    loss_sum, grad_sum = carry
+    b = jax.tree.map(lambda x, s: x[i] if s else x, micro, split)
+    loss, grads = grad_fn(params, b)
+    return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  (loss, grads), _ = lax.scan(body, (jnp.zeros((), jnp.float32), zeros), jnp.arange(k))
+  return loss / k, jax.tree.map(lambda g: (g / k).astype(g.dtype), grads)
+
+
+def _split_leading(x, k, mesh):
+  if x.shape[0] % k:
+    raise ZjaxError(f"A batch leaf has leading dimension {x.shape[0]}, not divisible by "
+                    f"accumulation_steps={k}.")
+  x = layout.place(x, mesh, jax.sharding.PartitionSpec())
+  return x.reshape((k, x.shape[0] // k) + x.shape[1:])
+
+
+def _trainable_fn(schedule):
+  """tree (the params' structure) -> tree of bools: floating-point leaves are trained."""
+  is_float = {p.path: ir.is_float(p.dtype) for p in schedule.params}
+
+  def trainable(tree):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: is_float[jax.tree_util.keystr(path)], tree)
+
+  return trainable
+
+
+def _select(tree, mask):
+  return [x for x, m in zip(jax.tree.leaves(tree), jax.tree.leaves(mask)) if m]
+
+
+def _check_args(optimizer, accumulation_steps, on_nonfinite):
+  if not isinstance(optimizer, optax.GradientTransformation):
+    raise TypeError(f"optimizer must be an optax.GradientTransformation, got "
+                    f"{type(optimizer).__name__}.")
+  if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) \
+      or accumulation_steps < 1:
+    raise ValueError(f"accumulation_steps must be a positive int, got {accumulation_steps!r}.")
+  if on_nonfinite not in ("skip", "raise"):
+    raise ValueError(f"on_nonfinite must be 'skip' or 'raise', got {on_nonfinite!r}.")
