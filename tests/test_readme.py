@@ -7,11 +7,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
 
-def test_api_example_runs(tmp_path, monkeypatch, capsys):
-  (code,) = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+def test_api_examples_run(tmp_path, monkeypatch, capsys):
+  """Every python block, in order, as a reader would run them."""
+  blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+  assert len(blocks) >= 2
   monkeypatch.chdir(tmp_path)
-  exec(compile(code, "README.md", "exec"), {})
+  namespace = {}
+  for code in blocks:
+    exec(compile(code, "README.md", "exec"), namespace)
   assert "zjax schedule v1: 8 device(s)" in capsys.readouterr().out
+  assert int(namespace["state"].step) == 3
 
 
 def test_ci_runs_the_readme_test_command():

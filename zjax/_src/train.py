@@ -96,7 +96,7 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
   def train_step(state: TrainState, batch):
     loss, grads = _accumulated(grad_fn, state.params, batch, accumulation_steps, mesh)
     trainable_leaves = trainable(state.params)
-    grad_norm = optax.global_norm(_select(grads, trainable_leaves))
+    grad_norm = optax.tree.norm(_select(grads, trainable_leaves))
     updates, opt_state = masked_opt.update(grads, state.opt_state, state.params)
     params = jax.tree.map(lambda p, u, t: optax.apply_updates(p, u) if t else p,
                           state.params, updates, trainable_leaves)
