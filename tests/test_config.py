@@ -13,7 +13,7 @@ def test_defaults_are_deepspeeds():
   assert cfg.max_reuse_distance == 1_000_000_000
   assert cfg.param_persistence_threshold == 100_000
   assert cfg.sub_group_size == 1_000_000_000
-  assert cfg.compute_dtype is None
+  assert cfg.compute_dtype is None and cfg.reduce_dtype is None
   assert cfg.axis_name == "fsdp"
 
 
@@ -43,6 +43,7 @@ def test_accepts_deepspeed_style_floats():
     ("max_reuse_distance", True, "number of parameter elements"),
     ("compute_dtype", jnp.int32, "floating dtype"),
     ("compute_dtype", "not-a-dtype", "floating dtype"),
+    ("reduce_dtype", jnp.int8, "floating dtype"),
     ("axis_name", "", "non-empty string"),
     ("axis_name", 3, "non-empty string"),
 ])

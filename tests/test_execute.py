@@ -309,10 +309,6 @@ def test_bad_batch_and_mismatched_schedule():
     zjax.value_and_grad(other_loss, schedule, mesh=mesh)(sharded, batch)
   with pytest.raises(zjax.ZjaxError, match="planned for 8 devices"):
     zjax.value_and_grad(loss, schedule, mesh=mesh_of(4))
-  with pytest.raises(zjax.ZjaxError, match="compute_dtype"):
-    bf16 = zjax.compile_schedule(loss, params, batch, mesh=mesh,
-                                 config=zjax.ZeroConfig(compute_dtype=jnp.bfloat16))
-    zjax.value_and_grad(loss, bf16, mesh=mesh)
 
 
 def test_scanned_gpt_gathers_the_stack_before_the_scan():
@@ -356,3 +352,23 @@ def test_lax_scan_fori_and_custom_derivatives():
 
   x = jax.random.normal(keys[4], (8, 16))
   assert_parity(loss, params, x, config=SHARD_ALL)
+
+
+def test_bf16_compute_halves_all_gather_bytes_and_stays_close():
+  """Mixed precision: bf16 gathers and compute, fp32 gradient reduction and fp32 grads."""
+  loss, params, batch = gpt_setup()
+  base = dict(param_persistence_threshold=256, max_reuse_distance=0)
+  s32, _, _, c32 = run_zjax(loss, params, batch, config=zjax.ZeroConfig(**base))
+  s16, loss16, grads16, c16 = run_zjax(loss, params, batch, config=zjax.ZeroConfig(
+      compute_dtype=jnp.bfloat16, **base))
+  h32, h16 = zjax.hlo.summarize(c32), zjax.hlo.summarize(c16)
+  assert h16["all_gather_bytes"] * 2 == h32["all_gather_bytes"]
+  assert h16["all_gather_bytes"] == s16.report()["all_gather_bytes"]
+  assert h16["reduce_scatter_bytes"] == h32["reduce_scatter_bytes"]  # fp32 reduction
+  assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads16))
+  from helpers import reference
+  ref_loss, ref_grads = reference(loss, params, batch)
+  np.testing.assert_allclose(loss16, ref_loss, rtol=2e-3)
+  for g, r in zip(jax.tree.leaves(grads16), jax.tree.leaves(ref_grads)):
+    scale = float(np.max(np.abs(r))) + 1e-12
+    assert float(np.max(np.abs(np.asarray(g) - np.asarray(r)))) <= 0.03 * scale  # bf16

@@ -208,8 +208,22 @@ def test_compute_dtype_halves_gather_bytes():
   fp32 = plan()
   bf16 = plan(compute_dtype=jnp.bfloat16)
   assert bf16.report()["all_gather_bytes"] * 2 == fp32.report()["all_gather_bytes"]
-  # state: bf16 working copy + fp32 master = 6 bytes per element
-  assert bf16.report()["state_bytes_per_device"] == 4 * (KERNEL // 8 + D) * 6
+  # gradients are reduced in the parameters' own dtype (fp32) unless reduce_dtype says so
+  assert bf16.report()["reduce_scatter_bytes"] == fp32.report()["reduce_scatter_bytes"]
+  both = plan(compute_dtype=jnp.bfloat16, reduce_dtype=jnp.bfloat16)
+  assert both.report()["reduce_scatter_bytes"] * 2 == fp32.report()["reduce_scatter_bytes"]
+  # the stored shards are the fp32 masters; the bf16 copy exists only while gathered
+  assert bf16.report()["state_bytes_per_device"] == fp32.report()["state_bytes_per_device"]
+
+
+def test_sixteen_bit_gathers_are_counted_as_packed_words():
+  """bf16 travels two values per 32-bit word; an odd local length pads one value."""
+  params = {"w": jax.ShapeDtypeStruct((8, 3), jnp.float32)}  # 24 elements: 3 per device
+  s = zjax.compile_schedule(lambda p, x: (x @ p["w"]).mean(), params,
+                            jax.ShapeDtypeStruct((8, 8), jnp.float32), num_devices=8,
+                            config=zjax.ZeroConfig(param_persistence_threshold=0,
+                                                   compute_dtype=jnp.bfloat16))
+  assert s.report()["all_gather_bytes"] == s.report()["all_gather_count"] * 8 * 2 * 4
 
 
 def test_int_params_are_gathered_but_never_reduce_scattered():

@@ -4,8 +4,8 @@ import pathlib
 
 import pytest
 
-from zjax._src.plan import per_device_batch, plan_schedule
-from zjax._src.trace import trace_program
+from zjax._src.plan import plan_schedule
+from zjax._src.trace import trace_for_schedule
 from zjax.cli.target import load_target
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -19,9 +19,8 @@ CHECKED_IN = {
 @pytest.mark.parametrize("name", sorted(CHECKED_IN))
 def test_checked_in_schedule_matches_the_code(name):
   target = load_target(str(ROOT / CHECKED_IN[name]))
-  batch = per_device_batch(target.batch, 8)
-  produced = plan_schedule(trace_program(target.loss_fn, target.params, batch),
-                           target.config, 8).to_json()
+  trace = trace_for_schedule(target.loss_fn, target.params, target.batch, target.config, 8)
+  produced = plan_schedule(trace, target.config, 8).to_json()
   on_disk = (ROOT / "schedules" / name).read_text()
   assert produced == on_disk, (
       f"schedules/{name} is stale: regenerate it as schedules/README.md says, and review the "

@@ -32,7 +32,10 @@ class ZeroConfig:
       never sharded or gathered.
     sub_group_size: elements per optimizer sub-group (the unit of the optimizer step).
     compute_dtype: dtype parameters are gathered and used in (None: their own dtype; e.g.
-      ``jnp.bfloat16`` for mixed precision). Only floating-point parameters are cast.
+      ``jnp.bfloat16`` for mixed precision). Only floating-point parameters are cast; the
+      stored shards keep the parameters' own dtype (they are the fp32 masters).
+    reduce_dtype: dtype gradients are reduce-scattered and averaged in (None: the
+      parameters' own dtype, e.g. fp32 under bf16 compute; ``jnp.bfloat16`` halves it).
     axis_name: name of the mesh axis that parameters are sharded over.
 
   Example:
@@ -47,12 +50,14 @@ class ZeroConfig:
   param_persistence_threshold: int = int(1e5)
   sub_group_size: int = int(1e9)
   compute_dtype: Any = None
+  reduce_dtype: Any = None
   axis_name: str = "fsdp"
 
   def __post_init__(self):
     for name in _ELEMENT_KNOBS:
       object.__setattr__(self, name, _check_element_count(name, getattr(self, name)))
-    object.__setattr__(self, "compute_dtype", _check_compute_dtype(self.compute_dtype))
+    for name in ("compute_dtype", "reduce_dtype"):
+      object.__setattr__(self, name, _check_float_dtype(name, getattr(self, name)))
     if not isinstance(self.axis_name, str) or not self.axis_name:
       raise ValueError(
           f"ZeroConfig.axis_name must be a non-empty string naming a mesh axis, "
@@ -61,7 +66,8 @@ class ZeroConfig:
   def to_dict(self) -> dict:
     """JSON-serialisable form (dtype as its name)."""
     out = dataclasses.asdict(self)
-    out["compute_dtype"] = None if self.compute_dtype is None else self.compute_dtype.name
+    for name in ("compute_dtype", "reduce_dtype"):
+      out[name] = None if out[name] is None else out[name].name
     return out
 
   @classmethod
@@ -91,17 +97,17 @@ def _check_element_count(name: str, value: Any) -> int:
   return value
 
 
-def _check_compute_dtype(value: Any):
+def _check_float_dtype(name: str, value: Any):
   if value is None:
     return None
   try:
     dtype = jnp.dtype(value)
   except TypeError as e:
     raise ValueError(
-        f"ZeroConfig.compute_dtype must be None or a floating dtype such as jnp.bfloat16, "
+        f"ZeroConfig.{name} must be None or a floating dtype such as jnp.bfloat16, "
         f"got {value!r}.") from e
   if not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(
-        f"ZeroConfig.compute_dtype must be a floating dtype (e.g. bfloat16, float32), "
+        f"ZeroConfig.{name} must be a floating dtype (e.g. bfloat16, float32), "
         f"got {dtype.name}.")
   return dtype

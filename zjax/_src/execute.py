@@ -29,9 +29,8 @@ from jax.sharding import PartitionSpec as P
 from zjax._src import ir, layout
 from zjax._src import segments as seg_lib
 from zjax._src.errors import ScheduleMismatchError, ZjaxError
-from zjax._src.plan import per_device_batch
 from zjax._src.schedule import program_hash
-from zjax._src.trace import param_views, trace_program
+from zjax._src.trace import param_views, trace_for_schedule
 
 
 def value_and_grad(loss_fn: Callable, schedule, *, mesh) -> Callable:
@@ -48,9 +47,6 @@ def value_and_grad(loss_fn: Callable, schedule, *, mesh) -> Callable:
     >>> step.lower(sharded, batch).compile().as_text()                # doctest: +SKIP
   """
   layout.check_mesh(schedule, mesh)
-  if schedule.config.compute_dtype is not None:
-    raise ZjaxError("ZeroConfig.compute_dtype is planned but not executed yet: mixed "
-                    "precision arrives with the trainer. Plan with compute_dtype=None.")
   runner = _Runner(loss_fn, schedule, mesh)
   return jax.jit(runner.step)
 
@@ -87,10 +83,10 @@ class _Runner:
     return jax.tree_util.tree_map_with_path(spec, batch)
 
   def _device_program(self, treedef, batch) -> "_DeviceProgram":
-    """Trace the loss on one device's share of the batch; it must match the schedule."""
-    local = per_device_batch(batch, self.n)
+    """Trace the loss as the schedule was planned; it must match the schedule."""
     params = [jax.ShapeDtypeStruct(p.shape, jnp.dtype(p.dtype)) for p in self.schedule.params]
-    trace = trace_program(self.loss_fn, jax.tree_util.tree_unflatten(treedef, params), local)
+    trace = trace_for_schedule(self.loss_fn, jax.tree_util.tree_unflatten(treedef, params),
+                               batch, self.schedule.config, self.n)
     _check_trace_matches(trace, self.schedule)
     return _DeviceProgram(self.schedule, trace.program)
 
@@ -122,6 +118,12 @@ class _DeviceProgram:
     index = {p.path: i for i, p in enumerate(schedule.params)}
     self.members = [[index[path] for path in b.params] for b in schedule.buckets]
     self.consts = dict(zip(program.const_ids, program.consts))
+
+  def compute_dtype(self, i):
+    return ir.gather_dtype(self.s.params[i].dtype, self.s.config.compute_dtype)
+
+  def reduce_dtype(self, i):
+    return ir.reduce_dtype(self.s.params[i].dtype, self.s.config)
 
   def run(self, shard_leaves, batch):
     state = _State(self, shard_leaves, batch)
@@ -157,8 +159,11 @@ class _State:
     return atom.val if isinstance(atom, jex.Literal) else self.env[atom]
 
   def base_value(self, i):
+    """Parameter i in the compute dtype (gathered ones were cast before the gather)."""
     entry = self.dp.s.params[i]
-    return self.shards[i] if entry.persistent else self.gathered[i]
+    if entry.persistent:
+      return self.shards[i].astype(self.dp.compute_dtype(i))
+    return self.gathered[i]
 
   def view(self, vid):
     param, chain = self.dp.chains[vid]
@@ -177,11 +182,12 @@ class _State:
   def gather(self, b):
     members = self.dp.members[b]
     entries = [self.dp.s.params[i] for i in members]
-    chunks = [self.shards[i] for i in members]
+    chunks = [self.shards[i].astype(self.dp.compute_dtype(i)) for i in members]
     if self.anchor is not None:
       chunks, _ = lax.optimization_barrier((chunks, self.anchor))
     local = jnp.concatenate(chunks) if len(chunks) > 1 else chunks[0]
-    full = lax.all_gather(local, self.dp.axis, tiled=False)
+    wire = lax.all_gather(layout.to_wire(local), self.dp.axis, tiled=False)
+    full = layout.from_wire(wire, local.dtype, local.shape[0])
     for i, value in zip(members, layout.unpack_gathered(full, entries, self.dp.n)):
       self.gathered[i] = value
 
@@ -193,7 +199,8 @@ class _State:
     members = self.dp.members[b]
     entries = [self.dp.s.params[i] for i in members]
     grads = [self.full_grads.pop(i, None) for i in members]
-    grads = [jnp.zeros(e.shape, e.dtype) if g is None else g for g, e in zip(grads, entries)]
+    grads = [jnp.zeros(e.shape, self.dp.reduce_dtype(i)) if g is None else
+             g.astype(self.dp.reduce_dtype(i)) for i, g, e in zip(members, grads, entries)]
     packed = layout.pack_for_scatter(grads, entries, self.dp.n)
     mine = lax.psum_scatter(packed, self.dp.axis, scatter_dimension=0, tiled=False)
     for i, chunk in zip(members, layout.split_chunks(mine / self.dp.n, entries, self.dp.n)):
@@ -254,7 +261,7 @@ class _State:
     param, chain = self.dp.chains[vid]
     if chain:  # back through the lazy layout ops (reshape, transpose, cast): all linear
       entry = self.dp.s.params[param]
-      base = jax.ShapeDtypeStruct(entry.shape, jnp.dtype(entry.dtype))
+      base = jax.ShapeDtypeStruct(entry.shape, self.dp.compute_dtype(param))
       (ct,) = jax.linear_transpose(lambda x: seg_lib.apply_chain(chain, x), base)(ct)
     self.full_grads[param] = ct if param not in self.full_grads else self.full_grads[param] + ct
 
@@ -268,11 +275,11 @@ class _State:
     s, out, persistent = self.dp.s, [], {}
     for i, entry in enumerate(s.params):
       if entry.persistent and ir.is_float(entry.dtype) and i in self.full_grads:
-        persistent[i] = self.full_grads.pop(i)
+        persistent[i] = self.full_grads.pop(i).astype(self.dp.reduce_dtype(i))
     persistent = self.mean_over_devices(persistent)
     for i, entry in enumerate(s.params):
       if entry.persistent:
-        out.append(persistent.get(i, jnp.zeros(entry.shape, entry.dtype)))
+        out.append(persistent.get(i, jnp.zeros(entry.shape, entry.dtype)).astype(entry.dtype))
       elif i in self.shard_grads:
         out.append(self.shard_grads[i].astype(entry.dtype))
       else:  # unused, or non-float: zero gradient

@@ -86,8 +86,26 @@ def is_float(dtype) -> bool:
 
 
 def gather_dtype(dtype, compute_dtype) -> np.dtype:
-  """The dtype a parameter stored as `dtype` is gathered, used and reduced in."""
+  """The dtype a parameter stored as `dtype` is gathered and used in."""
   dtype = jnp.dtype(dtype)
   if compute_dtype is not None and is_float(dtype):
     return jnp.dtype(compute_dtype)
   return dtype
+
+
+def reduce_dtype(dtype, config) -> np.dtype:
+  """The dtype a parameter stored as `dtype` has its gradient reduced in."""
+  dtype = jnp.dtype(dtype)
+  if config.reduce_dtype is not None and is_float(dtype):
+    return jnp.dtype(config.reduce_dtype)
+  return dtype
+
+
+def gathered_bytes(elements: int, num_devices: int, dtype) -> int:
+  """Bytes of a bucket's all-gather output (`elements` padded elements in all): 16-bit
+  values travel packed two per 32-bit word (see layout.to_wire), odd lengths padded."""
+  local = elements // num_devices
+  itemsize = jnp.dtype(dtype).itemsize
+  if itemsize == 2:
+    return num_devices * 4 * (-(-local // 2))
+  return num_devices * local * itemsize

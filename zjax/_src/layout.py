@@ -151,6 +151,24 @@ def unpack_gathered(full_NxC, entries, num_devices) -> list:
   return out
 
 
+def to_wire(local):
+  """A gather's local buffer as sent: 16-bit floats packed two per uint32 (bit-exact), so
+  that no backend widens them (XLA's CPU backend runs bf16 collectives in f32)."""
+  if local.dtype.itemsize != 2:
+    return local
+  if local.shape[0] % 2:
+    local = jnp.pad(local, (0, 1))
+  return jax.lax.bitcast_convert_type(local.reshape(-1, 2), jnp.uint32)
+
+
+def from_wire(gathered, dtype, length):
+  """Inverse of `to_wire` on the gathered [N, wire length] buffer -> [N, length]."""
+  if jnp.dtype(dtype).itemsize != 2:
+    return gathered
+  unpacked = jax.lax.bitcast_convert_type(gathered, dtype)  # [N, W, 2]
+  return unpacked.reshape(gathered.shape[0], -1)[:, :length]
+
+
 def pack_for_scatter(grads, entries, num_devices):
   """Natural-shape gradients -> [N, sum of chunks], row d holding device d's chunks."""
   rows = []

@@ -27,7 +27,7 @@ from zjax._src import segments as seg_lib
 from zjax._src.config import ZeroConfig
 from zjax._src.errors import ScheduleError
 from zjax._src.schedule import Schedule, program_hash
-from zjax._src.trace import ProgramTrace, param_views, trace_program
+from zjax._src.trace import ProgramTrace, param_views, trace_for_schedule
 
 
 def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
@@ -59,18 +59,7 @@ def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
   if not isinstance(config, ZeroConfig):
     raise TypeError(f"config must be a zjax.ZeroConfig, got {type(config).__name__}.")
   n = _resolve_num_devices(mesh, num_devices, config.axis_name)
-  return plan_schedule(trace_program(loss_fn, params, per_device_batch(batch, n)), config, n)
-
-
-def per_device_batch(batch, num_devices: int):
-  """Shapes of one device's share of the global batch (0-d leaves are replicated), or the
-  batch's own shapes when a leading dimension does not divide by `num_devices`."""
-  leaves = jax.tree.leaves(batch)
-  if any(np.ndim(x) and np.shape(x)[0] % num_devices for x in leaves):
-    return batch
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      (np.shape(x)[0] // num_devices,) + tuple(np.shape(x)[1:]) if np.ndim(x) else (),
-      x.dtype), batch)
+  return plan_schedule(trace_for_schedule(loss_fn, params, batch, config, n), config, n)
 
 
 def plan_schedule(trace: ProgramTrace, config: ZeroConfig, num_devices: int) -> Schedule:

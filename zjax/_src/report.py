@@ -11,7 +11,7 @@ def make_report(s, sim) -> dict:
   Bytes of a collective are those of its full (gathered / pre-reduction) buffer, padding
   included. A collective inside a loop counts once per iteration (v1 schedules have none).
   """
-  bucket_bytes = list(sim.bucket_bytes)
+  bucket_bytes, grad_bytes = list(sim.bucket_bytes), list(sim.bucket_grad_bytes)
   gathers = [st for st in s.forward + s.backward if st.op == "gather"]
   scatters = [st for st in s.backward if st.op == "reduce_scatter"]
   persistent = [p for p in s.params if p.persistent]
@@ -29,9 +29,10 @@ def make_report(s, sim) -> dict:
       "backward_all_gather_count": sum(st.op == "gather" for st in s.backward),
       "prefetch_count": sum(st.prefetch for st in gathers),
       "reduce_scatter_count": len(scatters),
-      "reduce_scatter_bytes": sum(bucket_bytes[st.bucket] for st in scatters),
+      "reduce_scatter_bytes": sum(grad_bytes[st.bucket] for st in scatters),
       "persistent_grad_all_reduce_bytes": sum(
-          p.size * _gather_itemsize(s, p.dtype) for p in persistent if ir.is_float(p.dtype)),
+          p.size * ir.reduce_dtype(p.dtype, s.config).itemsize
+          for p in persistent if ir.is_float(p.dtype)),
       "peak_live_param_bytes": max(sim.forward_live + sim.backward_live, default=0),
       "peak_live_grad_bytes": max(sim.backward_grad_live, default=0),
       "state_bytes_per_device": state_bytes_per_device(s),
@@ -40,21 +41,11 @@ def make_report(s, sim) -> dict:
 
 def state_bytes_per_device(s) -> int:
   """Parameter state each device holds: its shard of every sharded parameter plus the whole
-  of every persistent one, each element as a working copy in the compute dtype plus an
-  fp32-style master copy in the parameter's own dtype where the compute dtype differs.
+  of every persistent one, in the parameters' own dtype. Under a lower compute dtype these
+  shards are the fp32 masters; the compute-dtype copy exists only while gathered.
   Optimizer state is added by the trainer."""
   total = 0
   for p in s.params:
     elements = p.size if p.persistent else ir.padded_size(p.size, s.num_devices) // s.num_devices
-    total += elements * _state_itemsize(s, p.dtype)
+    total += elements * jnp.dtype(p.dtype).itemsize
   return total
-
-
-def _gather_itemsize(s, dtype) -> int:
-  return ir.gather_dtype(dtype, s.config.compute_dtype).itemsize
-
-
-def _state_itemsize(s, dtype) -> int:
-  own = jnp.dtype(dtype).itemsize
-  working = _gather_itemsize(s, dtype)
-  return working + (own if working != own else 0)

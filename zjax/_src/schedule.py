@@ -14,7 +14,7 @@ from typing import Any, Callable
 from zjax._src import ir, render, report, validate
 from zjax._src.config import ZeroConfig
 from zjax._src.errors import ScheduleError, ScheduleMismatchError
-from zjax._src.trace import trace_program
+from zjax._src.trace import trace_for_schedule
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -143,7 +143,7 @@ class Schedule:
 
     Compares parameter paths, shapes, dtypes and the use order of a fresh trace.
     """
-    trace = trace_program(loss_fn, params, batch)
+    trace = trace_for_schedule(loss_fn, params, batch, self.config, self.num_devices)
     theirs = {p.path: p for p in self.params}
     for p in trace.params:
       mine = theirs.get(p.path)

@@ -16,6 +16,7 @@ import jax
 import jax.extend.core as jex
 import numpy as np
 
+from zjax._src import ir
 from zjax._src.errors import TraceError
 from zjax._src.program import INLINED_PRIMITIVES, FlatProgram, flatten_program
 
@@ -102,6 +103,28 @@ def trace_program(loss_fn: Callable, params: Any, batch: Any) -> ProgramTrace:
       for i, (path, leaf) in enumerate(path_leaves))
   ops = tuple(OpInfo(primitive=op.primitive, module=op.module) for op in program.ops)
   return ProgramTrace(params=infos, ops=ops, treedef=treedef, program=program)
+
+
+def trace_for_schedule(loss_fn, params, batch, config, num_devices: int):
+  """Trace as the executor runs: on one device's share of the batch, with floating-point
+  parameters in the compute dtype. The table keeps each parameter's own (storage) dtype."""
+  as_computed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      np.shape(x), ir.gather_dtype(x.dtype, config.compute_dtype)), params)
+  trace = trace_program(loss_fn, as_computed, per_device_batch(batch, num_devices))
+  stored = [np.dtype(x.dtype) for x in jax.tree.leaves(params)]
+  return dataclasses.replace(trace, params=tuple(
+      dataclasses.replace(p, dtype=d) for p, d in zip(trace.params, stored)))
+
+
+def per_device_batch(batch, num_devices: int):
+  """Shapes of one device's share of the global batch (0-d leaves are replicated), or the
+  batch's own shapes when a leading dimension does not divide by `num_devices`."""
+  leaves = jax.tree.leaves(batch)
+  if any(np.ndim(x) and np.shape(x)[0] % num_devices for x in leaves):
+    return batch
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      (np.shape(x)[0] // num_devices,) + tuple(np.shape(x)[1:]) if np.ndim(x) else (),
+      x.dtype), batch)
 
 
 def param_views(program: FlatProgram, num_params: int) -> dict[int, frozenset]:

@@ -17,6 +17,7 @@ class Simulation:
   backward_live: tuple[int, ...]
   backward_grad_live: tuple[int, ...]
   bucket_bytes: tuple[int, ...]  # gathered bytes of each bucket (compute dtype, padded)
+  bucket_grad_bytes: tuple[int, ...]  # its full gradient's bytes (reduce dtype, padded)
 
 
 def validate_schedule(s) -> Simulation:
@@ -125,8 +126,11 @@ class _Simulator:
     self.forward_gathers = [0] * len(s.buckets)
     self.reduce_scatters = [0] * len(s.buckets)
     self.elements = bucket_elements(s)
-    self.bytes = [n * ir.gather_dtype(b.dtype, s.config.compute_dtype).itemsize
+    self.bytes = [ir.gathered_bytes(n, s.num_devices,
+                                    ir.gather_dtype(b.dtype, s.config.compute_dtype))
                   for n, b in zip(self.elements, s.buckets)]
+    self.grad_bytes = [n * ir.reduce_dtype(b.dtype, s.config).itemsize
+                       for n, b in zip(self.elements, s.buckets)]
     self.cap = s.config.max_live_parameters
 
   def run(self) -> Simulation:
@@ -136,7 +140,7 @@ class _Simulator:
     backward_live = self._run_phase("backward", self.s.backward, order, grad_live)
     self._check_end()
     return Simulation(tuple(forward_live), tuple(backward_live), tuple(grad_live),
-                      tuple(self.bytes))
+                      tuple(self.bytes), tuple(self.grad_bytes))
 
   def _run_phase(self, phase, steps, segment_order, grad_live=None):
     expected = list(segment_order)
@@ -150,7 +154,7 @@ class _Simulator:
         getattr(self, "_" + step.op)(step.bucket, phase, where)
       live_after.append(sum(self.bytes[b] for b in self.live))
       if grad_live is not None:
-        grad_live.append(sum(self.bytes[b] for b in self.pending_grad))
+        grad_live.append(sum(self.grad_bytes[b] for b in self.pending_grad))
     if expected:
       raise ScheduleError(f"The {phase} steps never compute segment(s) {expected}; each "
                           f"segment must be computed once, in order.")

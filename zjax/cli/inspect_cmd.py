@@ -9,8 +9,8 @@ import jax
 
 from zjax._src import render
 from zjax._src.config import ZeroConfig
-from zjax._src.plan import per_device_batch, plan_schedule
-from zjax._src.trace import trace_program
+from zjax._src.plan import plan_schedule
+from zjax._src.trace import trace_for_schedule
 from zjax.cli.target import load_target
 
 _KNOBS = ("prefetch_bucket_size", "max_live_parameters", "max_reuse_distance",
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
   if devices < 1:
     raise ValueError(f"--devices must be >= 1, got {devices}.")
   start = time.perf_counter()
-  trace = trace_program(target.loss_fn, target.params, per_device_batch(target.batch, devices))
+  trace = trace_for_schedule(target.loss_fn, target.params, target.batch, config, devices)
   schedule = plan_schedule(trace, config, devices)
   seconds = time.perf_counter() - start
   report = schedule.report()
