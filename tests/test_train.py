@@ -261,3 +261,41 @@ def test_bf16_compute_trains_close_to_fp32():
   for a, b in zip(jax.tree.leaves(trainer.gather_params(state)), jax.tree.leaves(ref_params)):
     a, b = np.asarray(a), np.asarray(b)
     assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b)
+
+
+def test_frozen_params_are_gathered_but_not_reduced_or_optimized():
+  loss, params, batch = mlp(num_layers=3)
+  frozen = lambda path: path.startswith("['layer1']")
+  mesh = mesh_of(8)
+  plain = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=SHARD_ALL)
+  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=SHARD_ALL,
+                                   frozen=frozen)
+  layer1 = schedule.param("['layer1']['kernel']").bucket
+  assert schedule.buckets[layer1].frozen
+  assert any(st.op == "gather" and st.bucket == layer1 for st in schedule.forward)
+  assert not any(st.op == "reduce_scatter" and st.bucket == layer1 for st in schedule.backward)
+  assert schedule.report()["reduce_scatter_count"] == plain.report()["reduce_scatter_count"] - 1
+  # the compiled program does what the schedule says
+  step = zjax.value_and_grad(loss, schedule, mesh=mesh)
+  sharded = zjax.shard(params, schedule, mesh)
+  hlo = zjax.hlo.summarize(step.lower(sharded, batch).compile())
+  assert hlo["reduce_scatter_count"] == schedule.report()["reduce_scatter_count"]
+  assert hlo["all_gather_count"] == schedule.report()["all_gather_count"]
+  _, grads = step(sharded, batch)
+  grads = zjax.unshard(grads, schedule)
+  ref = jax.grad(loss)(params, batch)
+  np.testing.assert_array_equal(grads["layer1"]["kernel"], 0)
+  assert_trees_close(grads["layer2"], ref["layer2"])
+  assert_trees_close(grads["layer0"], ref["layer0"])
+  # training leaves them unchanged and keeps no optimizer state for them
+  trainer = zjax.zero3(loss, optax.adam(1e-2), schedule, mesh=mesh)
+  state = trainer.init(params)
+  for _ in range(2):
+    state, _ = trainer.step(state, batch)
+  trained = trainer.gather_params(state)
+  np.testing.assert_array_equal(trained["layer1"]["kernel"], params["layer1"]["kernel"])
+  assert not np.allclose(trained["layer0"]["kernel"], params["layer0"]["kernel"])
+  full_state = zjax.zero3(loss, optax.adam(1e-2), plain, mesh=mesh).init(params)
+  assert zjax.per_device_bytes(state.opt_state) < zjax.per_device_bytes(full_state.opt_state)
+  with pytest.raises(ValueError, match="frozen must be"):
+    zjax.compile_schedule(loss, params, batch, mesh=mesh, frozen={"layer1": True})

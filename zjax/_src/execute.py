@@ -274,7 +274,7 @@ class _State:
   def gradients(self) -> list:
     s, out, persistent = self.dp.s, [], {}
     for i, entry in enumerate(s.params):
-      if entry.persistent and ir.is_float(entry.dtype) and i in self.full_grads:
+      if entry.persistent and ir.has_gradient(entry) and i in self.full_grads:
         persistent[i] = self.full_grads.pop(i).astype(self.dp.reduce_dtype(i))
     persistent = self.mean_over_devices(persistent)
     for i, entry in enumerate(s.params):
@@ -282,7 +282,7 @@ class _State:
         out.append(persistent.get(i, jnp.zeros(entry.shape, entry.dtype)).astype(entry.dtype))
       elif i in self.shard_grads:
         out.append(self.shard_grads[i].astype(entry.dtype))
-      else:  # unused, or non-float: zero gradient
+      else:  # unused, frozen or non-float: zero gradient
         out.append(jnp.zeros((layout.chunk_size(entry, s.num_devices),), entry.dtype))
     return out
 

@@ -36,6 +36,7 @@ class ParamEntry:
   persistent: bool  # replicated on every device, never gathered
   bucket: int | None  # None for persistent and unused parameters
   uses: tuple[int, ...]
+  frozen: bool = False  # gathered for compute, but no gradient, reduction or optimizer state
 
   @property
   def size(self) -> int:
@@ -48,6 +49,7 @@ class Bucket:
   module: str  # owning module of its parameters
   dtype: str
   params: tuple[str, ...]  # paths, in first-use order
+  frozen: bool = False  # all its parameters are frozen (a bucket never mixes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +85,11 @@ def padded_size(size: int, num_devices: int) -> int:
 
 def is_float(dtype) -> bool:
   return bool(jnp.issubdtype(jnp.dtype(dtype), jnp.floating))
+
+
+def has_gradient(item) -> bool:
+  """Whether a ParamEntry or Bucket is trained: floating point and not frozen."""
+  return is_float(item.dtype) and not item.frozen
 
 
 def gather_dtype(dtype, compute_dtype) -> np.dtype:

@@ -31,8 +31,8 @@ from zjax._src.trace import ProgramTrace, param_views, trace_for_schedule
 
 
 def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
-                     num_devices: int | None = None, config: ZeroConfig | None = None
-                     ) -> Schedule:
+                     num_devices: int | None = None, config: ZeroConfig | None = None,
+                     frozen: Any = None) -> Schedule:
   """Trace `loss_fn(params, batch)` and plan its ZeRO-3 schedule.
 
   Args:
@@ -46,6 +46,9 @@ def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
     mesh: the mesh to run on; N is its size along `config.axis_name`.
     num_devices: N, instead of a mesh (e.g. to plan for more devices than are present).
     config: the knobs; `ZeroConfig()` by default.
+    frozen: parameters that are not trained: a pytree of bools shaped like params, or a
+      function of a leaf's path string (e.g. `lambda path: "embed" in path`). They are
+      gathered for compute but get no gradient communication and no optimizer state.
 
   Example:
     >>> import jax, jax.numpy as jnp, zjax
@@ -59,27 +62,43 @@ def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
   if not isinstance(config, ZeroConfig):
     raise TypeError(f"config must be a zjax.ZeroConfig, got {type(config).__name__}.")
   n = _resolve_num_devices(mesh, num_devices, config.axis_name)
-  return plan_schedule(trace_for_schedule(loss_fn, params, batch, config, n), config, n)
+  trace = trace_for_schedule(loss_fn, params, batch, config, n)
+  return plan_schedule(trace, config, n, frozen=_frozen_indices(params, frozen, trace))
 
 
-def plan_schedule(trace: ProgramTrace, config: ZeroConfig, num_devices: int) -> Schedule:
+def _frozen_indices(params, frozen, trace) -> frozenset:
+  if frozen is None:
+    return frozenset()
+  if callable(frozen):
+    return frozenset(p.index for p in trace.params if frozen(p.path))
+  flags = jax.tree.leaves(frozen)
+  if jax.tree_util.tree_structure(frozen) != jax.tree_util.tree_structure(params) or \
+      not all(isinstance(f, (bool, np.bool_)) for f in flags):
+    raise ValueError("frozen must be a function of the parameter path, or a pytree of bools "
+                     "with the params' structure (True = frozen).")
+  return frozenset(i for i, f in enumerate(flags) if f)
+
+
+def plan_schedule(trace: ProgramTrace, config: ZeroConfig, num_devices: int,
+                  frozen: frozenset = frozenset()) -> Schedule:
   """Plan a schedule from a traced program (see the module docstring for the steps)."""
   persistent = {p.index for p in trace.params
                 if num_devices == 1 or p.size <= config.param_persistence_threshold}
-  groups = _group_buckets(trace, persistent)
-  bucket_of = {i: b for b, (_, _, members) in enumerate(groups) for i in members}
+  groups = _group_buckets(trace, persistent, frozen)
+  bucket_of = {i: b for b, (*_, members) in enumerate(groups) for i in members}
   entries = tuple(
       ir.ParamEntry(path=p.path, shape=p.shape, dtype=p.dtype.name,
                     persistent=p.index in persistent, bucket=bucket_of.get(p.index),
-                    uses=tuple(u.op for u in p.uses))
+                    uses=tuple(u.op for u in p.uses), frozen=p.index in frozen)
       for p in trace.params)
   buckets = tuple(
       ir.Bucket(id=b, module=module, dtype=dtype,
-                params=tuple(trace.params[i].path for i in members))
-      for b, (module, dtype, members) in enumerate(groups))
-  segments = _with_backward_buckets(_make_segments(trace, bucket_of), trace, bucket_of)
+                params=tuple(trace.params[i].path for i in members), frozen=is_frozen)
+      for b, (module, dtype, is_frozen, members) in enumerate(groups))
+  trained = [ir.has_gradient(e) for e in entries]
+  segments = _with_backward_buckets(_make_segments(trace, bucket_of), trace, bucket_of, trained)
   elements = [sum(ir.padded_size(trace.params[i].size, num_devices) for i in members)
-              for _, _, members in groups]
+              for *_, members in groups]
   forward, backward = _StepPlanner(segments, elements, buckets, config).plan()
   return Schedule(num_devices=num_devices, config=config, num_ops=len(trace.ops),
                   program_hash=program_hash(o.primitive for o in trace.ops), params=entries,
@@ -100,14 +119,14 @@ def _resolve_num_devices(mesh, num_devices, axis_name) -> int:
   return num_devices
 
 
-def _group_buckets(trace, persistent) -> list[tuple[str, str, list[int]]]:
-  """(owner module, dtype, param indices) per bucket, in order of first use."""
+def _group_buckets(trace, persistent, frozen) -> list[tuple[str, str, bool, list[int]]]:
+  """(owner module, dtype, frozen, param indices) per bucket, in order of first use."""
   used = [p for p in trace.params if p.uses and p.index not in persistent]
   used.sort(key=lambda p: (p.uses[0].op, p.index))
-  groups: dict[tuple[str, str], list[int]] = {}
+  groups: dict[tuple[str, str, bool], list[int]] = {}
   for p in used:
-    groups.setdefault((p.owner, p.dtype.name), []).append(p.index)
-  return [(module, dtype, members) for (module, dtype), members in groups.items()]
+    groups.setdefault((p.owner, p.dtype.name, p.index in frozen), []).append(p.index)
+  return [(*key, members) for key, members in groups.items()]
 
 
 def _make_segments(trace, bucket_of) -> tuple[ir.Segment, ...]:
@@ -138,16 +157,18 @@ def _make_segments(trace, bucket_of) -> tuple[ir.Segment, ...]:
   return tuple(segments)
 
 
-def _with_backward_buckets(segments, trace, bucket_of) -> tuple[ir.Segment, ...]:
+def _with_backward_buckets(segments, trace, bucket_of, trained) -> tuple[ir.Segment, ...]:
   """Fill each segment's backward_buckets: the buckets its vjp reads (see segments.py)."""
   program, num_params = trace.program, len(trace.params)
   views = param_views(program, num_params)
   chains = seg_lib.view_chains(program, views, num_params)
-  wanted = seg_lib.needs_gradient(program, num_params, [p.dtype for p in trace.params])
+  wanted = seg_lib.needs_gradient(program, trained)
+  trained_views = {v for v, (param, _) in chains.items() if trained[param]}
   out = []
   for seg, io in zip(segments, seg_lib.segment_ios(program, segments, views)):
     sharded = [j for j, v in enumerate(io.param_inputs) if chains[v][0] in bucket_of]
-    needed = seg_lib.backward_param_needs(io, program.avals, wanted) if sharded else set()
+    needed = (seg_lib.backward_param_needs(io, program.avals, wanted, trained_views)
+              if sharded else set())
     backward = {bucket_of[chains[io.param_inputs[j]][0]] for j in needed if j in sharded}
     out.append(dataclasses.replace(seg, backward_buckets=tuple(sorted(backward))))
   return tuple(out)
@@ -210,7 +231,7 @@ class _StepPlanner:
     self._place_gathers(fwd)
     self._place_gathers(bwd)
     scatter_at = [(k - 1 - i.start, i.bucket) for i in instances
-                  if ir.is_float(self.buckets[i.bucket].dtype)]
+                  if ir.has_gradient(self.buckets[i.bucket])]
     forward = self._emit(fwd, "forward", scatter_at=[])
     backward = self._emit(bwd, "backward", scatter_at=scatter_at)
     return forward, backward

@@ -50,8 +50,9 @@ def render_param_table(trace, s) -> str:
     layout = "replicated" if entry.persistent else f"sharded 1/{s.num_devices}"
     uses = "; ".join(f"op {u.op} {u.primitive}" + (f" in {u.context}" if u.context else "")
                      for u in p.uses) or "-"
+    notes = _notes(p) + ("; frozen" if entry.frozen else "")
     rows.append((p.path, str(list(p.shape)), p.dtype.name, layout,
-                 "" if entry.bucket is None else str(entry.bucket), uses, _notes(p)))
+                 "" if entry.bucket is None else str(entry.bucket), uses, notes.lstrip("; ")))
   return _table(rows)
 
 

@@ -243,7 +243,7 @@ def _parse_param(p, i) -> ir.ParamEntry:
       path=_field(p, "path", str, where), shape=tuple(_int_list(p, "shape", where)),
       dtype=_field(p, "dtype", str, where), persistent=_field(p, "persistent", bool, where),
       bucket=_field(p, "bucket", (int, type(None)), where),
-      uses=tuple(_int_list(p, "uses", where)))
+      uses=tuple(_int_list(p, "uses", where)), frozen=_field(p, "frozen", bool, where))
 
 
 def _parse_bucket(b, i) -> ir.Bucket:
@@ -252,7 +252,8 @@ def _parse_bucket(b, i) -> ir.Bucket:
   paths = _field(b, "params", list, where)
   _expect(all(isinstance(x, str) for x in paths), f"{where}.params must be a list of paths")
   return ir.Bucket(id=_field(b, "id", int, where), module=_field(b, "module", str, where),
-                   dtype=_field(b, "dtype", str, where), params=tuple(paths))
+                   dtype=_field(b, "dtype", str, where), params=tuple(paths),
+                   frozen=_field(b, "frozen", bool, where))
 
 
 def _parse_segment(s, i) -> ir.Segment:

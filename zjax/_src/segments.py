@@ -63,10 +63,9 @@ def view_chains(program: FlatProgram, views, num_params) -> dict[int, tuple[int,
   return chains
 
 
-def needs_gradient(program: FlatProgram, num_params, param_dtypes) -> set[int]:
-  """Ids of values that depend on a floating-point parameter (their cotangents matter)."""
-  dependent = {program.input_ids[i] for i in range(num_params)
-               if jnp.issubdtype(param_dtypes[i], jnp.inexact)}
+def needs_gradient(program: FlatProgram, trained: list[bool]) -> set[int]:
+  """Ids of values that depend on a trained parameter (their cotangents matter)."""
+  dependent = {program.input_ids[i] for i, t in enumerate(trained) if t}
   for op in program.ops:
     if any(isinstance(a, int) and a in dependent for a in op.inputs):
       dependent.update(op.outputs)
@@ -126,12 +125,12 @@ def restore_params(stripped, params):
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def backward_param_needs(io: SegmentIO, avals, wanted_act_cts) -> set[int]:
+def backward_param_needs(io: SegmentIO, avals, wanted_act_cts, trained_views) -> set[int]:
   """Positions in `io.param_inputs` whose values the segment's backward reads.
 
   The backward is the vjp with saved residuals, as the executor runs it; a parameter view
-  is needed when a slot holding it feeds a wanted cotangent (of a float parameter view, or
-  of an activation in `wanted_act_cts`), per dead-code analysis of the backward's jaxpr.
+  is needed when a slot holding it feeds a wanted cotangent (of a view in `trained_views`,
+  or of an activation in `wanted_act_cts`), per dead-code analysis of the backward's jaxpr.
   """
   if not io.param_inputs:
     return set()
@@ -154,7 +153,7 @@ def backward_param_needs(io: SegmentIO, avals, wanted_act_cts) -> set[int]:
     it_kept, it_slot = iter(kept_leaves), iter(slot_leaves)
     leaves = [next(it_slot) if k in slots else next(it_kept) for k in range(len(kept))]
     ct_params, ct_acts = jax.tree_util.tree_unflatten(treedef, leaves)(cts)
-    wanted = [c for c, v in zip(ct_params, p_avals) if jnp.issubdtype(v.dtype, jnp.inexact)]
+    wanted = [c for c, v in zip(ct_params, io.param_inputs) if v in trained_views]
     wanted += [c for c, a in zip(ct_acts, io.act_inputs) if a in wanted_act_cts]
     return wanted
 

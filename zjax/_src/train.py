@@ -210,12 +210,12 @@ def _split_leading(x, k, mesh):
 
 
 def _trainable_fn(schedule):
-  """tree (the params' structure) -> tree of bools: floating-point leaves are trained."""
-  is_float = {p.path: ir.is_float(p.dtype) for p in schedule.params}
+  """tree (the params' structure) -> tree of bools: floating-point, unfrozen leaves train."""
+  trains = {p.path: ir.has_gradient(p) for p in schedule.params}
 
   def trainable(tree):
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: is_float[jax.tree_util.keystr(path)], tree)
+        lambda path, _: trains[jax.tree_util.keystr(path)], tree)
 
   return trainable
 

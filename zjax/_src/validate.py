@@ -71,6 +71,10 @@ def _check_buckets(s):
       if p.dtype != b.dtype:
         raise ScheduleError(f"Bucket {i} has dtype {b.dtype} but holds {path} of dtype "
                             f"{p.dtype}; a bucket holds one dtype.")
+      if p.frozen != b.frozen:
+        raise ScheduleError(f"Bucket {i} is {'' if b.frozen else 'not '}frozen but holds "
+                            f"{path}, which is {'' if p.frozen else 'not '}frozen; a bucket "
+                            f"never mixes frozen and trained parameters.")
   for p in s.params:
     if p.bucket is not None and (p.bucket >= len(s.buckets) or p.path not in
                                  s.buckets[p.bucket].params):
@@ -191,7 +195,7 @@ class _Simulator:
                             f"{describe_bucket(self.s, b)}, but {why}. Insert a gather of "
                             f"bucket {b} before this step.")
     if phase == "backward":
-      self.pending_grad.update(b for b in seg.buckets if ir.is_float(self.s.buckets[b].dtype))
+      self.pending_grad.update(b for b in seg.buckets if ir.has_gradient(self.s.buckets[b]))
 
   def _gather(self, b, phase, where):
     if b in self.live:
@@ -214,9 +218,10 @@ class _Simulator:
     self.released_at[b] = where
 
   def _reduce_scatter(self, b, phase, where):
-    if not ir.is_float(self.s.buckets[b].dtype):
-      raise ScheduleError(f"{where}: reduce-scatters {describe_bucket(self.s, b)} of dtype "
-                          f"{self.s.buckets[b].dtype}, which has no gradient.")
+    if not ir.has_gradient(self.s.buckets[b]):
+      raise ScheduleError(f"{where}: reduce-scatters {describe_bucket(self.s, b)}, which has "
+                          f"no gradient (dtype {self.s.buckets[b].dtype}, frozen="
+                          f"{self.s.buckets[b].frozen}).")
     if b not in self.pending_grad:
       raise ScheduleError(f"{where}: reduce-scatters {describe_bucket(self.s, b)}, but no "
                           f"backward compute has produced its gradient since the last "
@@ -235,7 +240,7 @@ class _Simulator:
       raise ScheduleError(f"{describe_bucket(self.s, b)} is still gathered at the end of the "
                           f"backward steps; release it.")
     for b, bucket in enumerate(self.s.buckets):
-      if ir.is_float(bucket.dtype) and self.reduce_scatters[b] != self.forward_gathers[b]:
+      if ir.has_gradient(bucket) and self.reduce_scatters[b] != self.forward_gathers[b]:
         raise ScheduleError(
             f"{describe_bucket(self.s, b)} is gathered {self.forward_gathers[b]} time(s) in "
             f"forward but reduce-scattered {self.reduce_scatters[b]} time(s) in backward; "
