@@ -80,6 +80,15 @@ def _lay_out_on_devices(leaves, entries, shardings, schedule, mesh):
   return jax.jit(lay_out, out_shardings=shardings)(leaves)
 
 
+def largest_dim_spec(shape, num_devices: int, axis: str) -> P:
+  """Sharding along the largest dimension divisible by N (GSPMD-style), else replicated."""
+  dims = [d for d in range(len(shape)) if shape[d] % num_devices == 0 and shape[d] > 0]
+  if not dims:
+    return P()
+  d = max(dims, key=lambda d: shape[d])
+  return P(*([None] * d + [axis]))
+
+
 def flat_padded(x, entry, num_devices):
   """A natural-shape leaf as its flat storage: raveled, zero-padded to a multiple of N."""
   return jnp.pad(jnp.ravel(x), (0, ir.padded_size(entry.size, num_devices) - entry.size))

@@ -103,7 +103,8 @@ def _probes(schedule, mesh, treedef, count):
   """`count` trees of random natural-shape values (zeros for non-float leaves), made in one
   program, each leaf sharded along its largest divisible dimension."""
   axis, n = schedule.config.axis_name, schedule.num_devices
-  shardings = [NamedSharding(mesh, _spec(e.shape, n, axis)) for e in schedule.params]
+  shardings = [NamedSharding(mesh, layout.largest_dim_spec(e.shape, n, axis))
+               for e in schedule.params]
 
   def make(key):
     trees = []
@@ -123,14 +124,6 @@ def _probes(schedule, mesh, treedef, count):
 
 def _shard(tree, schedule, mesh):
   return layout.shard(tree, schedule, mesh)
-
-
-def _spec(shape, n, axis):
-  dims = [d for d in range(len(shape)) if shape[d] % n == 0 and shape[d] > 0]
-  if not dims:
-    return P()
-  d = max(dims, key=lambda d: shape[d])
-  return P(*([None] * d + [axis]))
 
 
 def transform_name(optimizer) -> str:

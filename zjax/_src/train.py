@@ -72,6 +72,7 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
   trainable = _trainable_fn(schedule)
   masked_opt = optax.masked(optimizer, trainable)  # non-float leaves: no optimizer state
   grad_fn = value_and_grad(loss_fn, schedule, mesh=mesh)
+  sub_groups = plan_sub_groups(schedule)
 
   def init(params) -> TrainState:
     """Shard `params` and initialise the optimizer on the shards. The optimizer is checked
@@ -98,8 +99,7 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
     trainable_leaves = trainable(state.params)
     grad_norm = optax.tree.norm(_select(grads, trainable_leaves))
     updates, opt_state = masked_opt.update(grads, state.opt_state, state.params)
-    params = jax.tree.map(lambda p, u, t: optax.apply_updates(p, u) if t else p,
-                          state.params, updates, trainable_leaves)
+    params = _apply_by_sub_group(state.params, updates, sub_groups)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     new = TrainState(state.step + 1, params, opt_state)
     new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
@@ -172,6 +172,40 @@ def _one_output(program, inputs, index, previous):
     args, _ = lax.optimization_barrier((args, previous))
   (out,) = jex.jaxpr_as_fun(jex.ClosedJaxpr(sub, []))(*args)
   return out
+
+
+def plan_sub_groups(schedule) -> list[list[int]]:
+  """Trained leaves (tree order) in groups of at most `sub_group_size` elements per device;
+  a leaf larger than that is a group of its own."""
+  limit, n = schedule.config.sub_group_size, schedule.num_devices
+  groups, current, size = [], [], 0
+  for i, p in enumerate(schedule.params):
+    if not ir.has_gradient(p):
+      continue
+    local = p.size if p.persistent else ir.padded_size(p.size, n) // n
+    if current and size + local > limit:
+      groups.append(current)
+      current, size = [], 0
+    current.append(i)
+    size += local
+  return groups + ([current] if current else [])
+
+
+def _apply_by_sub_group(params, updates, sub_groups):
+  """p + u for trained leaves, one sub-group after another: each group's inputs are tied to
+  the previous group's results, so the fused element-wise update work runs group by group
+  (DeepSpeed's sub_group_size) instead of all at once."""
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  update_leaves = jax.tree.leaves(updates)
+  out, previous = list(leaves), None
+  for group in sub_groups:
+    inputs = [(leaves[i], update_leaves[i]) for i in group]
+    if previous is not None:
+      inputs, _ = lax.optimization_barrier((inputs, previous))
+    previous = [optax.apply_updates(p, u) for p, u in inputs]
+    for i, value in zip(group, previous):
+      out[i] = value
+  return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _on_mesh(tree, mesh):
