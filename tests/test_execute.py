@@ -372,3 +372,17 @@ def test_bf16_compute_halves_all_gather_bytes_and_stays_close():
   for g, r in zip(jax.tree.leaves(grads16), jax.tree.leaves(ref_grads)):
     scale = float(np.max(np.abs(r))) + 1e-12
     assert float(np.max(np.abs(np.asarray(g) - np.asarray(r)))) <= 0.03 * scale  # bf16
+
+
+def test_while_loop_over_batch_values_is_not_differentiated():
+  """Like jax.value_and_grad, only values that depend on trained parameters are
+  differentiated: a while_loop over batch values (not reverse-differentiable) is fine."""
+  params = {"w": jax.random.normal(jax.random.key(0), (16, 16)) / 4}
+
+  def loss(p, b):
+    _, x = jax.lax.while_loop(lambda c: c[0] < b["n"],
+                              lambda c: (c[0] + 1.0, c[1] * 0.9), (0.0, b["x"]))
+    return jnp.mean(jnp.tanh(x @ p["w"]) ** 2)
+
+  batch = {"x": jax.random.normal(jax.random.key(1), (8, 16)), "n": jnp.float32(3.0)}
+  assert_parity(loss, params, batch, config=SHARD_ALL)

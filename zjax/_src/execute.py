@@ -115,6 +115,11 @@ class _DeviceProgram:
     self.views = param_views(program, num_params)
     self.chains = seg_lib.view_chains(program, self.views, num_params)
     self.segments = seg_lib.segment_ios(program, schedule.segments, self.views)
+    trained = [ir.has_gradient(p) for p in schedule.params]
+    trained_views = {v for v, (param, _) in self.chains.items() if trained[param]}
+    wanted = seg_lib.needs_gradient(program, trained)
+    self.diff_params = [[v in trained_views for v in io.param_inputs] for io in self.segments]
+    self.diff_acts = [[a in wanted for a in io.act_inputs] for io in self.segments]
     index = {p.path: i for i, p in enumerate(schedule.params)}
     self.members = [[index[path] for path in b.params] for b in schedule.buckets]
     self.consts = dict(zip(program.const_ids, program.consts))
@@ -225,7 +230,8 @@ class _State:
     params = [self.view(v) for v in io.param_inputs]
     acts = [self.read(a) for a in io.act_inputs]
     params, acts = lax.optimization_barrier((params, acts)) if params else (params, acts)
-    outs, vjp_fn = jax.vjp(seg_lib.segment_fn(io), params, acts)
+    outs, vjp_fn = seg_lib.segment_vjp(io, params, acts, self.dp.diff_params[k],
+                                       self.dp.diff_acts[k])
     self.vjps[k] = seg_lib.strip_params(vjp_fn, params)
     self.env.update(zip(io.outputs, outs))
     if outs:
@@ -246,10 +252,12 @@ class _State:
       params, ct_out = lax.optimization_barrier((params, ct_out))
     vjp_fn = seg_lib.restore_params(self.vjps.pop(k), params)
     ct_params, ct_acts = vjp_fn(ct_out)
-    for a, ct in zip(io.act_inputs, ct_acts):
+    diff_acts = [a for a, d in zip(io.act_inputs, self.dp.diff_acts[k]) if d]
+    for a, ct in zip(diff_acts, ct_acts):
       if seg_lib.is_real_cotangent(ct):
         self.cts[a] = ct if a not in self.cts else self.cts[a] + ct
-    for v, ct in zip(io.param_inputs, ct_params):
+    diff_params = [v for v, d in zip(io.param_inputs, self.dp.diff_params[k]) if d]
+    for v, ct in zip(diff_params, ct_params):
       self._accumulate_param_grad(v, ct)
     anchors = [c for c in ct_acts if seg_lib.is_real_cotangent(c)]
     if anchors:

@@ -96,6 +96,23 @@ def segment_fn(io: SegmentIO):
   return jax.checkpoint(run, policy=_save_matmul_outputs)
 
 
+def segment_vjp(io: SegmentIO, params, acts, diff_params, diff_acts):
+  """(outputs, vjp_fn) of the segment with respect to the inputs flagged differentiable
+  (those that depend on trained parameters); the others are constants, as in
+  jax.value_and_grad. vjp_fn(cts) -> (cotangents of the flagged params, of the flagged acts).
+  """
+  run = segment_fn(io)
+
+  def differentiable(dp, da):
+    it_p, it_a = iter(dp), iter(da)
+    all_p = [next(it_p) if d else p for p, d in zip(params, diff_params)]
+    all_a = [next(it_a) if d else a for a, d in zip(acts, diff_acts)]
+    return run(all_p, all_a)
+
+  return jax.vjp(differentiable, [p for p, d in zip(params, diff_params) if d],
+                 [a for a, d in zip(acts, diff_acts) if d])
+
+
 def apply_op(op, invals) -> list:
   eqn = op.eqn
   with eqn.ctx.manager:
@@ -136,10 +153,12 @@ def backward_param_needs(io: SegmentIO, avals, wanted_act_cts, trained_views) ->
     return set()
   p_avals = [_spec(avals[v]) for v in io.param_inputs]
   a_avals = [_spec(avals[a]) for a in io.act_inputs]
+  diff_params = [v in trained_views for v in io.param_inputs]
+  diff_acts = [a in wanted_act_cts for a in io.act_inputs]
   box = {}
 
   def forward(params, acts):
-    outs, vjp_fn = jax.vjp(segment_fn(io), params, acts)
+    outs, vjp_fn = segment_vjp(io, params, acts, diff_params, diff_acts)
     box["stripped"] = strip_params(vjp_fn, params)
     box["outs"] = [_spec(o) for o in outs]
     return [leaf for leaf in box["stripped"][1] if leaf is not None]
@@ -153,9 +172,7 @@ def backward_param_needs(io: SegmentIO, avals, wanted_act_cts, trained_views) ->
     it_kept, it_slot = iter(kept_leaves), iter(slot_leaves)
     leaves = [next(it_slot) if k in slots else next(it_kept) for k in range(len(kept))]
     ct_params, ct_acts = jax.tree_util.tree_unflatten(treedef, leaves)(cts)
-    wanted = [c for c, v in zip(ct_params, io.param_inputs) if v in trained_views]
-    wanted += [c for c, a in zip(ct_acts, io.act_inputs) if a in wanted_act_cts]
-    return wanted
+    return list(ct_params) + list(ct_acts)
 
   slot_order = sorted(slot_avals)
   closed = jax.make_jaxpr(backward)(kept_avals, [slot_avals[k] for k in slot_order], cts)
