@@ -316,3 +316,54 @@ def test_sub_groups_give_identical_results():
   # same math; the barriers between groups change XLA's fusion, hence ulp-level rounding
   assert_trees_close(many[0].gather_params(many[1]), one[0].gather_params(one[1]), rtol=1e-6,
                      atol=1e-7)
+
+
+class _BNNet(nn.Module):
+  @nn.compact
+  def __call__(self, x, train: bool):
+    x = nn.Dense(32, use_bias=False)(x)  # a bias before BatchNorm has zero gradient
+    x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+    return nn.Dense(4)(nn.relu(x))
+
+
+def test_batch_statistics_as_extra_state():
+  """loss_fn(params, batch, extra) -> (loss, new_extra): each device normalises with its own
+  share of the batch (data parallel BatchNorm) and the new statistics are averaged."""
+  model = _BNNet()
+  x = jax.random.normal(jax.random.key(0), (16, 8))
+  batch = {"x": x, "y": jax.random.normal(jax.random.key(1), (16, 4))}
+  variables = model.init(jax.random.key(2), x, train=False)
+  params, extra = variables["params"], {"batch_stats": variables["batch_stats"]}
+
+  def loss_fn(p, b, e):
+    out, updates = model.apply({"params": p, **e}, b["x"], train=True, mutable=["batch_stats"])
+    return jnp.mean((out - b["y"]) ** 2), {"batch_stats": updates["batch_stats"]}
+
+  n, opt = 4, optax.adam(1e-2)
+
+  @jax.jit
+  def reference_step(p, s, e):  # data parallel by hand: per-device slices, averaged
+    slices = [jax.tree.map(lambda a: a[i * 4:(i + 1) * 4], batch) for i in range(n)]
+    results = [jax.value_and_grad(loss_fn, has_aux=True)(p, b, e) for b in slices]
+    mean = lambda *xs: sum(xs) / n
+    loss = mean(*[l for (l, _), _ in results])
+    new_e = jax.tree.map(mean, *[a for (_, a), _ in results])
+    grads = jax.tree.map(mean, *[g for _, g in results])
+    u, s = opt.update(grads, s, p)
+    return optax.apply_updates(p, u), s, new_e, loss
+
+  mesh = mesh_of(n)
+  schedule = zjax.compile_schedule(loss_fn, params, batch, mesh=mesh, extra=extra,
+                                   config=zjax.ZeroConfig(param_persistence_threshold=0))
+  trainer = zjax.zero3(loss_fn, opt, schedule, mesh=mesh)
+  state = trainer.init(params, extra=extra)
+  ref_p, ref_s, ref_e = params, opt.init(params), extra
+  for _ in range(3):
+    state, metrics = trainer.step(state, batch)
+    ref_p, ref_s, ref_e, ref_loss = reference_step(ref_p, ref_s, ref_e)
+    np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=1e-5)
+  assert_trees_close(state.extra, ref_e, rtol=1e-5, atol=1e-6)
+  assert_trees_close(trainer.gather_params(state), ref_p, rtol=1e-5, atol=PARAM_ATOL)
+  with pytest.raises(zjax.TraceError, match="must return \\(loss, new_extra\\)"):
+    zjax.compile_schedule(lambda p, b, e: loss_fn(p, b, e)[0], params, batch, mesh=mesh,
+                          extra=extra)

@@ -59,17 +59,20 @@ class _Runner:
     self.axis = schedule.config.axis_name
     self.n = schedule.num_devices
 
-  def step(self, sharded_params, batch):
+  def step(self, sharded_params, batch, extra=None):
     specs = layout.param_specs(self.schedule)
     leaves, treedef = layout.matching_leaves(sharded_params, self.schedule, "sharded_params")
     batch_specs = self._batch_specs(batch)
-    program = self._device_program(treedef, batch)
+    program = self._device_program(treedef, batch, extra)
     leaves = [layout.place(x, self.mesh, s) for x, s in zip(leaves, specs)]
     batch = jax.tree.map(lambda x, s: layout.place(x, self.mesh, s), batch, batch_specs)
-    run = jax.shard_map(program.run, mesh=self.mesh, in_specs=(specs, batch_specs),
-                        out_specs=(P(), specs), check_vma=False)
-    loss, grads = run(leaves, batch)
-    return loss, jax.tree_util.tree_unflatten(treedef, grads)
+    extra_specs = jax.tree.map(lambda _: P(), extra)
+    extra = jax.tree.map(lambda x: layout.place(x, self.mesh, P()), extra)
+    run = jax.shard_map(program.run, mesh=self.mesh, in_specs=(specs, batch_specs, extra_specs),
+                        out_specs=((P(), extra_specs), specs), check_vma=False)
+    (loss, new_extra), grads = run(leaves, batch, extra)
+    grads = jax.tree_util.tree_unflatten(treedef, grads)
+    return (loss, grads) if extra is None else ((loss, new_extra), grads)
 
   def _batch_specs(self, batch):
     def spec(path, x):
@@ -82,11 +85,11 @@ class _Runner:
       return P(self.axis)
     return jax.tree_util.tree_map_with_path(spec, batch)
 
-  def _device_program(self, treedef, batch) -> "_DeviceProgram":
+  def _device_program(self, treedef, batch, extra) -> "_DeviceProgram":
     """Trace the loss as the schedule was planned; it must match the schedule."""
     params = [jax.ShapeDtypeStruct(p.shape, jnp.dtype(p.dtype)) for p in self.schedule.params]
     trace = trace_for_schedule(self.loss_fn, jax.tree_util.tree_unflatten(treedef, params),
-                               batch, self.schedule.config, self.n)
+                               batch, self.schedule.config, self.n, extra)
     _check_trace_matches(trace, self.schedule)
     return _DeviceProgram(self.schedule, trace.program)
 
@@ -130,26 +133,27 @@ class _DeviceProgram:
   def reduce_dtype(self, i):
     return ir.reduce_dtype(self.s.params[i].dtype, self.s.config)
 
-  def run(self, shard_leaves, batch):
-    state = _State(self, shard_leaves, batch)
+  def run(self, shard_leaves, batch, extra):
+    """-> ((mean loss, new extra averaged over devices), local gradient shards)."""
+    state = _State(self, shard_leaves, jax.tree.leaves(batch) + jax.tree.leaves(extra))
     for step in self.s.forward:
       state.run_step(step, "forward")
-    (loss_id,) = self.program.output_ids
+    loss_id, *extra_ids = self.program.output_ids
     loss = state.read(loss_id)
+    new_extra = jax.tree.unflatten(jax.tree.structure(extra), [state.read(i) for i in extra_ids])
     state.start_backward(loss_id, loss)
     for step in self.s.backward:
       state.run_step(step, "backward")
-    return state.mean_over_devices(loss), state.gradients()
+    return (state.mean_over_devices(loss), state.average_extra(new_extra)), state.gradients()
 
 
 class _State:
   """Values alive on one device while the schedule runs."""
 
-  def __init__(self, dp: _DeviceProgram, shard_leaves, batch):
+  def __init__(self, dp: _DeviceProgram, shard_leaves, batch_leaves):
     self.dp = dp
     self.shards = list(shard_leaves)
     self.env: dict[int, Any] = dict(dp.consts)
-    batch_leaves = jax.tree_util.tree_leaves(batch)
     num_params = len(dp.s.params)
     self.env.update(zip(dp.program.input_ids[num_params:], batch_leaves))
     self.gathered: dict[int, Any] = {}  # param index -> natural-shape full value
@@ -278,6 +282,14 @@ class _State:
     if self.dp.n == 1 or not jax.tree.leaves(tree):
       return tree
     return lax.pmean(tree, self.dp.axis)
+
+  def average_extra(self, tree):
+    """New non-parameter state (e.g. batch statistics): floats averaged over devices."""
+    floats = [jnp.issubdtype(x.dtype, jnp.inexact) for x in jax.tree.leaves(tree)]
+    averaged = iter(self.mean_over_devices([x for x, f in zip(jax.tree.leaves(tree), floats)
+                                            if f]))
+    leaves = [next(averaged) if f else x for x, f in zip(jax.tree.leaves(tree), floats)]
+    return jax.tree.unflatten(jax.tree.structure(tree), leaves)
 
   def gradients(self) -> list:
     s, out, persistent = self.dp.s, [], {}

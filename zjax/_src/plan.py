@@ -32,7 +32,7 @@ from zjax._src.trace import ProgramTrace, param_views, trace_for_schedule
 
 def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
                      num_devices: int | None = None, config: ZeroConfig | None = None,
-                     frozen: Any = None) -> Schedule:
+                     frozen: Any = None, extra: Any = None) -> Schedule:
   """Trace `loss_fn(params, batch)` and plan its ZeRO-3 schedule.
 
   Args:
@@ -49,6 +49,8 @@ def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
     frozen: parameters that are not trained: a pytree of bools shaped like params, or a
       function of a leaf's path string (e.g. `lambda path: "embed" in path`). They are
       gathered for compute but get no gradient communication and no optimizer state.
+    extra: non-parameter state (e.g. batch statistics) for a loss of the form
+      `loss_fn(params, batch, extra) -> (loss, new_extra)`: replicated, not differentiated.
 
   Example:
     >>> import jax, jax.numpy as jnp, zjax
@@ -62,7 +64,7 @@ def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
   if not isinstance(config, ZeroConfig):
     raise TypeError(f"config must be a zjax.ZeroConfig, got {type(config).__name__}.")
   n = _resolve_num_devices(mesh, num_devices, config.axis_name)
-  trace = trace_for_schedule(loss_fn, params, batch, config, n)
+  trace = trace_for_schedule(loss_fn, params, batch, config, n, extra)
   return plan_schedule(trace, config, n, frozen=_frozen_indices(params, frozen, trace))
 
 

@@ -138,12 +138,12 @@ class Schedule:
       raise ScheduleError(f"Schedule file {path} is not UTF-8 text.") from None
     return cls.from_json(text, source=path)
 
-  def verify(self, loss_fn: Callable, params: Any, batch: Any) -> None:
+  def verify(self, loss_fn: Callable, params: Any, batch: Any, extra: Any = None) -> None:
     """Raise ScheduleMismatchError unless this schedule was made for this model.
 
     Compares parameter paths, shapes, dtypes and the use order of a fresh trace.
     """
-    trace = trace_for_schedule(loss_fn, params, batch, self.config, self.num_devices)
+    trace = trace_for_schedule(loss_fn, params, batch, self.config, self.num_devices, extra)
     theirs = {p.path: p for p in self.params}
     for p in trace.params:
       mine = theirs.get(p.path)

@@ -77,10 +77,13 @@ class ProgramTrace:
   program: FlatProgram = dataclasses.field(compare=False, repr=False, default=None)
 
 
-def trace_program(loss_fn: Callable, params: Any, batch: Any) -> ProgramTrace:
+def trace_program(loss_fn: Callable, params: Any, batch: Any, extra: Any = None
+                  ) -> ProgramTrace:
   """Trace `loss_fn(params, batch)` and return every parameter leaf's uses in program order.
 
-  `params` and `batch` may hold concrete arrays or `jax.ShapeDtypeStruct`s.
+  `params` and `batch` may hold concrete arrays or `jax.ShapeDtypeStruct`s. With `extra`
+  (non-parameter state such as batch statistics) the loss is `loss_fn(params, batch,
+  extra) -> (loss, new_extra)`.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -92,8 +95,9 @@ def trace_program(loss_fn: Callable, params: Any, batch: Any) -> ProgramTrace:
   path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
   for path, leaf in path_leaves:
     _check_leaf(path, leaf)
-  closed = jax.make_jaxpr(loss_fn)(params, batch)
-  _check_loss_output(closed)
+  args = (params, batch) if extra is None else (params, batch, extra)
+  closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(*args)
+  _check_loss_output(closed, out_shape, extra)
   program = flatten_program(closed)
   uses = _find_uses(program, len(path_leaves))
   infos = tuple(
@@ -105,12 +109,12 @@ def trace_program(loss_fn: Callable, params: Any, batch: Any) -> ProgramTrace:
   return ProgramTrace(params=infos, ops=ops, treedef=treedef, program=program)
 
 
-def trace_for_schedule(loss_fn, params, batch, config, num_devices: int):
+def trace_for_schedule(loss_fn, params, batch, config, num_devices: int, extra=None):
   """Trace as the executor runs: on one device's share of the batch, with floating-point
   parameters in the compute dtype. The table keeps each parameter's own (storage) dtype."""
   as_computed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
       np.shape(x), ir.gather_dtype(x.dtype, config.compute_dtype)), params)
-  trace = trace_program(loss_fn, as_computed, per_device_batch(batch, num_devices))
+  trace = trace_program(loss_fn, as_computed, per_device_batch(batch, num_devices), extra)
   stored = [np.dtype(x.dtype) for x in jax.tree.leaves(params)]
   return dataclasses.replace(trace, params=tuple(
       dataclasses.replace(p, dtype=d) for p, d in zip(trace.params, stored)))
@@ -267,8 +271,16 @@ def _check_leaf(path, leaf):
         f"the params pytree (close over them in loss_fn instead).")
 
 
-def _check_loss_output(closed):
+def _check_loss_output(closed, out_shape, extra):
   outs = closed.out_avals
+  if extra is not None:
+    expected = jax.tree_util.tree_structure((0.0, extra))
+    if jax.tree_util.tree_structure(out_shape) != expected:
+      raise TraceError(
+          f"With extra state, loss_fn(params, batch, extra) must return (loss, new_extra) with "
+          f"new_extra shaped like extra; it returned {jax.tree_util.tree_structure(out_shape)}"
+          f", expected {expected}.")
+    outs = outs[:1]
   if len(outs) != 1 or outs[0].shape != () or not np.issubdtype(outs[0].dtype, np.inexact) \
       and outs[0].dtype.name != "bfloat16":
     found = ", ".join(f"{a.dtype.name}{list(a.shape)}" for a in outs) or "nothing"

@@ -28,6 +28,7 @@ class TrainState(NamedTuple):
   step: jax.Array  # int32 scalar: optimizer steps taken
   params: Any  # the parameters in the sharded layout
   opt_state: Any  # optax state over the trainable leaves of the sharded layout
+  extra: Any = None  # non-parameter state (e.g. batch statistics), replicated
 
 
 class Zero3(NamedTuple):
@@ -74,34 +75,38 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
   grad_fn = value_and_grad(loss_fn, schedule, mesh=mesh)
   sub_groups = plan_sub_groups(schedule)
 
-  def init(params) -> TrainState:
+  def init(params, extra=None) -> TrainState:
     """Shard `params` and initialise the optimizer on the shards. The optimizer is checked
-    for shard-compatibility here, where the parameters' structure is first known."""
-    return _state_from(layout.shard(params, schedule, mesh))
+    for shard-compatibility here, where the parameters' structure is first known. `extra`:
+    non-parameter state for a loss `loss_fn(params, batch, extra) -> (loss, new_extra)`."""
+    return _state_from(layout.shard(params, schedule, mesh), extra)
 
-  def init_from(init_fn: Callable, *args) -> TrainState:
+  def init_from(init_fn: Callable, *args, extra=None) -> TrainState:
     """Build the sharded state from `init_fn(*args) -> params` (e.g. a Flax `model.init`)
     in one compiled program whose outputs are the shards: no device holds the whole model
     (see `sharded_init` for its memory analysis)."""
-    return _state_from(sharded_init(init_fn, schedule, mesh)(*args))
+    return _state_from(sharded_init(init_fn, schedule, mesh)(*args), extra)
 
-  def _state_from(sharded) -> TrainState:
+  def _state_from(sharded, extra) -> TrainState:
     optcheck.check_optimizer(masked_opt, schedule, mesh, jax.tree_util.tree_structure(sharded),
                              jax.tree.leaves(trainable(sharded)),
                              name=optcheck.transform_name(optimizer))
     with jax.set_mesh(mesh):  # optax creates unsharded scalars: Explicit meshes need context
       opt_state = jax.jit(masked_opt.init)(sharded)
-    state = TrainState(step=jnp.zeros((), jnp.int32), params=sharded, opt_state=opt_state)
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=sharded, opt_state=opt_state,
+                       # copies: the state is donated, the caller's arrays must survive
+                       extra=jax.tree.map(lambda x: jnp.array(x, copy=True), extra))
     return _on_mesh(state, mesh)
 
   def train_step(state: TrainState, batch):
-    loss, grads = _accumulated(grad_fn, state.params, batch, accumulation_steps, mesh)
+    loss, extra, grads = _accumulated(grad_fn, state.params, batch, state.extra,
+                                      accumulation_steps, mesh)
     trainable_leaves = trainable(state.params)
     grad_norm = optax.tree.norm(_select(grads, trainable_leaves))
     updates, opt_state = masked_opt.update(grads, state.opt_state, state.params)
     params = _apply_by_sub_group(state.params, updates, sub_groups)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    new = TrainState(state.step + 1, params, opt_state)
+    new = TrainState(state.step + 1, params, opt_state, extra)
     new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
     return new, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
 
@@ -217,22 +222,30 @@ def _on_mesh(tree, mesh):
       lambda x: x if x.sharding.device_set == devices else jax.device_put(x, replicated), tree)
 
 
-def _accumulated(grad_fn, params, batch, k, mesh):
-  """Mean loss and gradients over k equal micro-batches; gradients stay sharded."""
+def _call(grad_fn, params, batch, extra):
+  """(loss, new extra, grads) with or without extra state."""
+  if extra is None:
+    loss, grads = grad_fn(params, batch)
+    return loss, None, grads
+  (loss, new_extra), grads = grad_fn(params, batch, extra)
+  return loss, new_extra, grads
+
+
+def _accumulated(grad_fn, params, batch, extra, k, mesh):
+  """Mean loss, new extra state and gradients over k equal micro-batches (each sees the
+  step's extra state; their new states are averaged); gradients stay sharded."""
   if k == 1:
-    return grad_fn(params, batch)
+    return _call(grad_fn, params, batch, extra)
   micro = jax.tree.map(lambda x: _split_leading(x, k, mesh) if np.ndim(x) else x, batch)
   split = jax.tree.map(lambda x: np.ndim(x) > 0, batch)
 
   def body(carry, i):
-    loss_sum, grad_sum = carry
     b = jax.tree.map(lambda x, s: x[i] if s else x, micro, split)
-    loss, grads = grad_fn(params, b)
-    return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+    return jax.tree.map(jnp.add, carry, _call(grad_fn, params, b, extra)), None
 
-  zeros = jax.tree.map(jnp.zeros_like, params)
-  (loss, grads), _ = lax.scan(body, (jnp.zeros((), jnp.float32), zeros), jnp.arange(k))
-  return loss / k, jax.tree.map(lambda g: (g / k).astype(g.dtype), grads)
+  zeros = jax.tree.map(jnp.zeros_like, (jnp.zeros((), jnp.float32), extra, params))
+  total, _ = lax.scan(body, zeros, jnp.arange(k))
+  return jax.tree.map(lambda x: (x / k).astype(x.dtype), total)
 
 
 def _split_leading(x, k, mesh):
