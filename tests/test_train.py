@@ -367,3 +367,38 @@ def test_batch_statistics_as_extra_state():
   with pytest.raises(zjax.TraceError, match="must return \\(loss, new_extra\\)"):
     zjax.compile_schedule(lambda p, b, e: loss_fn(p, b, e)[0], params, batch, mesh=mesh,
                           extra=extra)
+
+
+def test_nnx_batch_stats_recipe_from_the_readme():
+  from flax import nnx
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.l1 = nnx.Linear(8, 32, use_bias=False, rngs=rngs)
+      self.bn = nnx.BatchNorm(32, rngs=rngs)
+      self.l2 = nnx.Linear(32, 4, rngs=rngs)
+
+    def __call__(self, x):
+      return self.l2(nnx.relu(self.bn(self.l1(x))))
+
+  graphdef, params, stats, rest = nnx.split(Net(nnx.Rngs(0)), nnx.Param, nnx.BatchStat, ...)
+
+  def loss_fn(p, b, e):
+    m = nnx.merge(graphdef, p, e, rest)
+    out = m(b["x"])
+    _, _, new_e, _ = nnx.split(m, nnx.Param, nnx.BatchStat, ...)
+    return jnp.mean((out - b["y"]) ** 2), new_e
+
+  batch = {"x": jax.random.normal(jax.random.key(0), (16, 8)), "y": jnp.ones((16, 4))}
+  mesh = mesh_of(4)
+  schedule = zjax.compile_schedule(loss_fn, params, batch, mesh=mesh, extra=stats,
+                                   config=zjax.ZeroConfig(param_persistence_threshold=0))
+  trainer = zjax.zero3(loss_fn, optax.adam(1e-2), schedule, mesh=mesh)
+  state = trainer.init(params, extra=stats)
+  losses = []
+  for _ in range(3):
+    state, metrics = trainer.step(state, batch)
+    losses.append(float(metrics["loss"]))
+  assert losses[-1] < losses[0]
+  mean = jax.tree.leaves(state.extra)[0]
+  assert float(jnp.abs(mean).max()) > 0  # running statistics were updated
