@@ -67,3 +67,13 @@ def mlp(num_layers=4, d=64, batch=16, seed=0):
     return jnp.mean((x - b["y"]) ** 2)
 
   return loss, params, batch
+
+
+@jax.custom_vjp
+def custom_vjp_matmul(x, w):
+  """x @ w with a hand-written vjp (a custom_vjp op for trace and executor tests)."""
+  return x @ w
+
+
+custom_vjp_matmul.defvjp(lambda x, w: (x @ w, (x, w)),
+                         lambda res, g: (g @ res[1].T, res[0].T @ g))

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_parity, assert_trees_close, mesh_of, mlp, run_zjax
+from helpers import (assert_parity, assert_trees_close, custom_vjp_matmul, mesh_of, mlp,
+                     run_zjax)
 
 import zjax
 
@@ -331,11 +332,7 @@ def test_lax_scan_fori_and_custom_derivatives():
             "vjp": jax.random.normal(keys[2], (16, 16)) / 4,
             "jvp": jax.random.normal(keys[3], (16,))}
 
-  @jax.custom_vjp
-  def matmul(x, w):
-    return x @ w
-
-  matmul.defvjp(lambda x, w: (x @ w, (x, w)), lambda r, g: (g @ r[1].T, r[0].T @ g))
+  matmul = custom_vjp_matmul
 
   @jax.custom_jvp
   def scaled(x, s):

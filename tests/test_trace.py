@@ -8,6 +8,7 @@ import pytest
 from jax import lax
 
 import zjax
+from helpers import custom_vjp_matmul
 
 
 def uses(trace, name):
@@ -145,11 +146,7 @@ def test_while_and_fori_loop():
 def test_remat_and_custom_derivatives():
   params = {"a": jnp.ones((4, 4)), "b": jnp.ones((4, 4)), "c": jnp.ones((4, 4))}
 
-  @jax.custom_vjp
-  def matmul(x, w):
-    return x @ w
-
-  matmul.defvjp(lambda x, w: (x @ w, (x, w)), lambda r, g: (g @ r[1].T, r[0].T @ g))
+  matmul = custom_vjp_matmul
 
   @jax.custom_jvp
   def scale(x, w):

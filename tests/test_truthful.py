@@ -7,7 +7,6 @@ the order a GPU would.
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from helpers import mlp, run_zjax
 

@@ -284,7 +284,8 @@ def _field(obj, key, types, where):
   if key not in obj:
     raise ScheduleError(f"{where}: missing field {key!r}.")
   value = obj[key]
-  ok = isinstance(value, types) and not (isinstance(value, bool) and types in (int, (int, type(None))))
+  bool_as_int = isinstance(value, bool) and types in (int, (int, type(None)))
+  ok = isinstance(value, types) and not bool_as_int
   _expect(ok, f"{where}: field {key!r} has the wrong type ({type(value).__name__}: {value!r})")
   return value
 
