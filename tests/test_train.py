@@ -402,3 +402,18 @@ def test_nnx_batch_stats_recipe_from_the_readme():
   assert losses[-1] < losses[0]
   mean = jax.tree.leaves(state.extra)[0]
   assert float(jnp.abs(mean).max()) > 0  # running statistics were updated
+
+
+def test_state_memory_script_runs():
+  """examples/state_memory.py at tiny size (structure only)."""
+  import pathlib
+  import subprocess
+  import sys
+  root = pathlib.Path(__file__).resolve().parents[1]
+  done = subprocess.run([sys.executable, str(root / "examples/state_memory.py"), "--devices",
+                         "1", "2", "--layers", "1", "--d-model", "32"],
+                        capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-2000:]
+  lines = done.stdout.splitlines()
+  assert lines[0].startswith("GPT:") and lines[1].startswith("N=1:") and \
+      lines[2].startswith("N=2:")
