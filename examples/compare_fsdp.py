@@ -22,7 +22,7 @@ import time
 _FLAG = "--xla_disable_hlo_passes=cse_barrier_expander"  # keep barriers on CPU (DESIGN.md)
 
 
-def _setup_devices(n: int):
+def setup_devices(n: int):
   if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
   import jax
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
   p.add_argument("--steps-per-round", type=int, default=3)
   p.add_argument("--json", default=None)
   args = p.parse_args(argv)
-  _setup_devices(args.devices)
+  setup_devices(args.devices)
   rows = compare(args)
   print(format_table(rows))
   if args.json:

@@ -3,6 +3,7 @@
 Prints, for each N: parameter bytes per device (measured on the arrays, and the schedule's
 prediction), adamw state bytes per device, and the compiled sharded initialisation's
 per-device temp and output bytes (`memory_analysis()`), next to the full model's size.
+On CPU it keeps XLA's optimization barriers (DESIGN.md), as a GPU would.
 
     python examples/state_memory.py --devices 1 2 4 8
 """
@@ -18,9 +19,9 @@ def main(argv=None) -> int:
   p.add_argument("--layers", type=int, default=4)
   p.add_argument("--d-model", type=int, default=128)
   args = p.parse_args(argv)
-  import jax
-  jax.config.update("jax_num_cpu_devices", max(args.devices))
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  from compare_fsdp import setup_devices  # simulated devices, barriers kept on CPU
+  setup_devices(max(args.devices))
   for row in measure(args):
     print(row)
   return 0
