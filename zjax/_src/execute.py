@@ -39,7 +39,11 @@ def value_and_grad(loss_fn: Callable, schedule, *, mesh) -> Callable:
   The batch's leading dimension (the global batch) is split over the devices; 0-d batch
   leaves (a scalar, a PRNG key) are replicated. For a loss that is a mean over the batch,
   `unshard(sharded_grads)` equals `jax.value_and_grad(loss_fn)(params, batch)`. Gradients
-  of non-float parameters are zeros (they are not differentiated).
+  of non-float and frozen parameters are zeros (they are not differentiated).
+
+  With non-parameter state (a schedule compiled with `extra=`), call it as
+  `(sharded_params, batch, extra) -> ((loss, new_extra), sharded_grads)`: `extra` is
+  replicated and not differentiated, and `new_extra`'s floats are averaged over devices.
 
   Example:
     >>> step = zjax.value_and_grad(loss_fn, schedule, mesh=mesh)     # doctest: +SKIP
