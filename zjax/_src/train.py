@@ -71,7 +71,7 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
   _check_args(optimizer, accumulation_steps, on_nonfinite)
   layout.check_mesh(schedule, mesh)
   trainable = _trainable_fn(schedule)
-  masked_opt = optax.masked(optimizer, trainable)  # non-float leaves: no optimizer state
+  masked_opt = optax.masked(optimizer, trainable)  # non-float, frozen: no optimizer state
   grad_fn = value_and_grad(loss_fn, schedule, mesh=mesh)
   sub_groups = plan_sub_groups(schedule)
 
@@ -132,8 +132,9 @@ def sharded_init(init_fn: Callable, schedule, mesh) -> Callable:
 
   Leaves are built one after another (each from a dead-code-eliminated copy of init_fn's
   program, tied to the previous leaf), and XLA partitions each to match its output
-  sharding, so a device holds its share of the model plus one leaf being built: never the
-  whole model.
+  sharding, so a device holds its share of the model plus the leaf being built, never the
+  whole model. A leaf whose flat chunks do not align with its rows (e.g. 257 rows on 8
+  devices) is generated whole, at a few times its size in temp memory.
 
   Example:
     >>> build = zjax.sharded_init(model.init, schedule, mesh)           # doctest: +SKIP
