@@ -71,6 +71,14 @@ def test_wrong_return_items(capsys, tmp_path):
   assert code == 2 and "fourth item must be a zjax.ZeroConfig" in err
 
 
+def test_dtype_overrides(capsys, tmp_path):
+  path = tmp_path / "s.json"
+  code, _, _ = run(capsys, "inspect", GPT, "--devices", "8", "--summary", "--save", str(path),
+                   "--compute-dtype", "bfloat16", "--reduce-dtype", "bfloat16")
+  s = zjax.Schedule.load(path)
+  assert code == 0 and s.config.compute_dtype.name == s.config.reduce_dtype.name == "bfloat16"
+
+
 def test_bad_knob_value(capsys):
   code, _, err = run(capsys, "inspect", GPT, "--max-live-parameters", "0")
   assert code == 2 and "max_live_parameters must be > 0" in err

@@ -34,6 +34,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--" + knob.replace("_", "-"), type=float, default=None,
                    help=f"override ZeroConfig.{knob} (elements)")
   p.add_argument("--compute-dtype", default=None, help="override ZeroConfig.compute_dtype")
+  p.add_argument("--reduce-dtype", default=None, help="override ZeroConfig.reduce_dtype")
   p.set_defaults(run=run)
 
 
@@ -65,8 +66,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _config(base: ZeroConfig | None, args) -> ZeroConfig:
   overrides = {k: getattr(args, k) for k in _KNOBS if getattr(args, k) is not None}
-  if args.compute_dtype is not None:
-    overrides["compute_dtype"] = args.compute_dtype
+  for name in ("compute_dtype", "reduce_dtype"):
+    if getattr(args, name) is not None:
+      overrides[name] = getattr(args, name)
   return dataclasses.replace(base or ZeroConfig(), **overrides)
 
 
