@@ -30,7 +30,7 @@ from zjax._src import ir, layout
 from zjax._src import segments as seg_lib
 from zjax._src.errors import ScheduleMismatchError, ZjaxError
 from zjax._src.schedule import program_hash
-from zjax._src.trace import param_views, trace_for_schedule
+from zjax._src.trace import trace_for_schedule
 
 
 def value_and_grad(loss_fn: Callable, schedule, *, mesh) -> Callable:
@@ -118,15 +118,10 @@ class _DeviceProgram:
   def __init__(self, schedule, program):
     self.s, self.program = schedule, program
     self.n, self.axis = schedule.num_devices, schedule.config.axis_name
-    num_params = len(schedule.params)
-    self.views = param_views(program, num_params)
-    self.chains = seg_lib.view_chains(program, self.views, num_params)
-    self.segments = seg_lib.segment_ios(program, schedule.segments, self.views)
-    trained = [ir.has_gradient(p) for p in schedule.params]
-    trained_views = {v for v, (param, _) in self.chains.items() if trained[param]}
-    wanted = seg_lib.needs_gradient(program, trained)
-    self.diff_params = [[v in trained_views for v in io.param_inputs] for io in self.segments]
-    self.diff_acts = [[a in wanted for a in io.act_inputs] for io in self.segments]
+    analysis = seg_lib.analyze(program, schedule.segments,
+                               [ir.has_gradient(p) for p in schedule.params])
+    self.chains, self.segments = analysis.chains, analysis.ios
+    self.diff_params, self.diff_acts = analysis.diff_params, analysis.diff_acts
     index = {p.path: i for i, p in enumerate(schedule.params)}
     self.members = [[index[path] for path in b.params] for b in schedule.buckets]
     self.consts = dict(zip(program.const_ids, program.consts))

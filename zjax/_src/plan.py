@@ -27,7 +27,7 @@ from zjax._src import segments as seg_lib
 from zjax._src.config import ZeroConfig
 from zjax._src.errors import ScheduleError
 from zjax._src.schedule import Schedule, program_hash
-from zjax._src.trace import ProgramTrace, param_views, trace_for_schedule
+from zjax._src.trace import ProgramTrace, trace_for_schedule
 
 
 def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
@@ -161,17 +161,14 @@ def _make_segments(trace, bucket_of) -> tuple[ir.Segment, ...]:
 
 def _with_backward_buckets(segments, trace, bucket_of, trained) -> tuple[ir.Segment, ...]:
   """Fill each segment's backward_buckets: the buckets its vjp reads (see segments.py)."""
-  program, num_params = trace.program, len(trace.params)
-  views = param_views(program, num_params)
-  chains = seg_lib.view_chains(program, views, num_params)
-  wanted = seg_lib.needs_gradient(program, trained)
-  trained_views = {v for v, (param, _) in chains.items() if trained[param]}
+  program = trace.program
+  a = seg_lib.analyze(program, segments, trained)
   out = []
-  for seg, io in zip(segments, seg_lib.segment_ios(program, segments, views)):
-    sharded = [j for j, v in enumerate(io.param_inputs) if chains[v][0] in bucket_of]
-    needed = (seg_lib.backward_param_needs(io, program.avals, wanted, trained_views)
-              if sharded else set())
-    backward = {bucket_of[chains[io.param_inputs[j]][0]] for j in needed if j in sharded}
+  for k, (seg, io) in enumerate(zip(segments, a.ios)):
+    sharded = [j for j, v in enumerate(io.param_inputs) if a.chains[v][0] in bucket_of]
+    needed = (seg_lib.backward_param_needs(io, program.avals, a.diff_params[k],
+                                           a.diff_acts[k]) if sharded else set())
+    backward = {bucket_of[a.chains[io.param_inputs[j]][0]] for j in needed if j in sharded}
     out.append(dataclasses.replace(seg, backward_buckets=tuple(sorted(backward))))
   return tuple(out)
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zjax._src.program import FlatProgram
-from zjax._src.trace import LAYOUT_PRIMITIVES
+from zjax._src.trace import LAYOUT_PRIMITIVES, param_views
 
 
 @dataclasses.dataclass
@@ -27,6 +27,28 @@ class SegmentIO:
   param_inputs: list[int]  # parameter views it reads
   act_inputs: list[int]  # other values it reads
   outputs: list[int]  # values it defines that later segments (or the result) read
+
+
+@dataclasses.dataclass
+class Analysis:
+  """The program cut into segments, as both the planner and the executor see it."""
+  views: dict  # value id -> parameter indices it is a layout view of
+  chains: dict  # view id -> (parameter index, layout ops from the parameter to the view)
+  ios: list[SegmentIO]
+  diff_params: list[list[bool]]  # per segment: which param inputs are differentiated
+  diff_acts: list[list[bool]]  # per segment: which activation inputs are differentiated
+
+
+def analyze(program: FlatProgram, segments, trained: list[bool]) -> Analysis:
+  """Segment inputs and outputs, and which inputs depend on trained parameters (only those
+  are differentiated, as in jax.value_and_grad)."""
+  views = param_views(program, len(trained))
+  chains = view_chains(program, views, len(trained))
+  ios = segment_ios(program, segments, views)
+  wanted = needs_gradient(program, trained)
+  return Analysis(views, chains, ios,
+                  [[trained[chains[v][0]] for v in io.param_inputs] for io in ios],
+                  [[a in wanted for a in io.act_inputs] for io in ios])
 
 
 def is_lazy_view(op, views) -> bool:
@@ -142,19 +164,17 @@ def restore_params(stripped, params):
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def backward_param_needs(io: SegmentIO, avals, wanted_act_cts, trained_views) -> set[int]:
+def backward_param_needs(io: SegmentIO, avals, diff_params, diff_acts) -> set[int]:
   """Positions in `io.param_inputs` whose values the segment's backward reads.
 
-  The backward is the vjp with saved residuals, as the executor runs it; a parameter view
-  is needed when a slot holding it feeds a wanted cotangent (of a view in `trained_views`,
-  or of an activation in `wanted_act_cts`), per dead-code analysis of the backward's jaxpr.
+  The backward is the vjp with saved residuals, as the executor runs it (same inputs
+  differentiated); a parameter view is needed when a slot holding it feeds a cotangent,
+  per dead-code analysis of the backward's jaxpr.
   """
   if not io.param_inputs:
     return set()
   p_avals = [_spec(avals[v]) for v in io.param_inputs]
   a_avals = [_spec(avals[a]) for a in io.act_inputs]
-  diff_params = [v in trained_views for v in io.param_inputs]
-  diff_acts = [a in wanted_act_cts for a in io.act_inputs]
   box = {}
 
   def forward(params, acts):
