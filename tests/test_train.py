@@ -207,24 +207,25 @@ def test_state_bytes_per_device_match_the_schedule_and_scale(n):
   assert param_bytes <= (full - persistent) / n + persistent + 4 * 8 * len(schedule.params)
 
 
-def test_init_from_never_holds_the_whole_model():
+@pytest.mark.parametrize("n", [8, 4])
+def test_init_from_never_holds_the_whole_model(n):
   from gpt import GPT, GPTConfig, abstract_setup
-  cfg = GPTConfig(d_model=128, n_layer=2, n_head=4, d_ff=512, seq_len=16)
+  cfg = GPTConfig(d_model=128, n_layer=2, n_head=4, d_ff=512, seq_len=16)  # vocab 257: uneven
   model = GPT(cfg)
   loss, shapes, batch_shapes = abstract_setup(cfg, batch_size=8)
-  mesh = mesh_of(8)
+  mesh = mesh_of(n)
   schedule = zjax.compile_schedule(loss, shapes, batch_shapes, mesh=mesh,
                                    config=zjax.ZeroConfig(param_persistence_threshold=1024))
   tokens = jnp.zeros((8, cfg.seq_len), jnp.int32)
   memory = zjax.sharded_init(model.init, schedule, mesh).lower(
       jax.random.key(0), tokens).compile().memory_analysis()
-  full = sum(np.prod(s.shape) * 4 for s in jax.tree.leaves(shapes))
-  largest = max(np.prod(s.shape) * 4 for s in jax.tree.leaves(shapes))
-  peak = memory.temp_size_in_bytes + memory.output_size_in_bytes
+  share = schedule.report()["state_bytes_per_device"]
+  largest_bucket = max(schedule.bucket_elements()) * 4
   # outputs = this device's share (+ a pointer per leaf in the output tuple)
-  assert 0 <= memory.output_size_in_bytes - schedule.report()["state_bytes_per_device"] \
-      <= 8 * len(schedule.params)
-  assert peak < full / 2 and memory.temp_size_in_bytes < 2.5 * largest
+  assert 0 <= memory.output_size_in_bytes - share <= 8 * len(schedule.params)
+  # the bound: per-device peak below the largest bucket plus the local share
+  assert memory.temp_size_in_bytes + memory.output_size_in_bytes \
+      < largest_bucket + share + 8 * len(schedule.params)
   trainer = zjax.zero3(loss, optax.adam(1e-3), schedule, mesh=mesh)
   state = trainer.init_from(model.init, jax.random.key(0), tokens)
   expected = jax.jit(model.init)(jax.random.key(0), tokens)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from jax.sharding import PartitionSpec as P
 # No public dead-code elimination in JAX; this is the one jit applies.
 from jax._src.interpreters import partial_eval as pe
 
@@ -130,11 +131,14 @@ def sharded_init(init_fn: Callable, schedule, mesh) -> Callable:
   """A jitted `(*args) -> sharded params` that runs `init_fn(*args)` and lays every leaf out
   as the schedule says, with the shards as the program's outputs.
 
-  Leaves are built one after another (each from a dead-code-eliminated copy of init_fn's
-  program, tied to the previous leaf), and XLA partitions each to match its output
-  sharding, so a device holds its share of the model plus the leaf being built, never the
-  whole model. A leaf whose flat chunks do not align with its rows (e.g. 257 rows on 8
-  devices) is generated whole, at a few times its size in temp memory.
+  Leaves are built one after another, each from a dead-code-eliminated copy of init_fn's
+  program, so a device holds its share of the model plus the temporaries of the leaf being
+  built, never the whole model. A leaf whose flat chunks are whole rows is generated
+  directly in its shards (XLA partitions the generation to match); any other (e.g. 257 rows
+  on 8 devices) is generated in uneven row blocks and gathered whole once to be sliced.
+  Random generation itself needs about 3x its output (two uint32 counter arrays), so the
+  peak is the share plus about 3/N of the largest leaf, or one whole leaf where it is
+  uneven; measured in tests/test_train.py against the largest bucket plus the share.
 
   Example:
     >>> build = zjax.sharded_init(model.init, schedule, mesh)           # doctest: +SKIP
@@ -152,9 +156,9 @@ def sharded_init(init_fn: Callable, schedule, mesh) -> Callable:
     inputs = list(closed.consts) + jax.tree.leaves(args)
     leaves, previous = [], None
     for i, entry in enumerate(schedule.params):
-      leaf = _one_output(program, inputs, i, previous)
-      leaves.append(leaf if entry.persistent else
-                    layout.flat_padded(leaf, entry, schedule.num_devices))
+      finish = (lambda x: x) if entry.persistent else (
+          lambda x, entry=entry: _laid_out(x, entry, schedule, mesh))
+      leaves.append(_one_output(program, inputs, i, previous, finish))
       previous = leaves[-1]
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
@@ -169,15 +173,37 @@ def sharded_init(init_fn: Callable, schedule, mesh) -> Callable:
   return run
 
 
-def _one_output(program, inputs, index, previous):
-  """Output `index` of `program`, computing only what it needs, after `previous` exists."""
+def _laid_out(leaf, entry, schedule, mesh):
+  """A freshly generated natural-shape leaf as its flat storage, generated sharded.
+
+  Without guidance GSPMD generates a leaf whose flat chunks cut through rows replicated,
+  with the random-number temporaries at several times its size; sharding its rows first
+  (unevenly; only Auto axes allow that) keeps generation at 1/N and costs one gather."""
+  n = schedule.num_devices
+  if n > 1 and entry.shape and (entry.size % n or entry.shape[0] % n):
+    auto = jax.sharding.Mesh(mesh.devices, mesh.axis_names,
+                             axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+    for spec in (P(schedule.config.axis_name), P()):
+      leaf = lax.with_sharding_constraint(leaf, jax.sharding.NamedSharding(auto, spec))
+  return layout.flat_padded(leaf, entry, n)
+
+
+def _one_output(program, inputs, index, previous, finish):
+  """finish(output `index` of `program`), computing only what it needs, after `previous`.
+
+  The work sits in a conditional whose predicate passes through an optimization barrier
+  with `previous`: a plain data dependency is not enough, since XLA would hoist the
+  input-free parts (the random counters, as large as the leaf) ahead of earlier leaves and
+  keep them all live at once."""
   used_outputs = [j == index for j in range(len(program.outvars))]
   sub, used_inputs = pe.dce_jaxpr(program, used_outputs)
   args = [x for x, used in zip(inputs, used_inputs) if used]
-  if previous is not None and args:
-    args, _ = lax.optimization_barrier((args, previous))
-  (out,) = jex.jaxpr_as_fun(jex.ClosedJaxpr(sub, []))(*args)
-  return out
+  generate = lambda args: finish(jex.jaxpr_as_fun(jex.ClosedJaxpr(sub, []))(*args)[0])
+  if previous is None:
+    return generate(args)
+  go, args, _ = lax.optimization_barrier((jnp.bool_(True), args, previous))
+  out = jax.eval_shape(generate, args)
+  return lax.cond(go, generate, lambda _: jnp.zeros(out.shape, out.dtype), args)
 
 
 def plan_sub_groups(schedule) -> list[list[int]]:
