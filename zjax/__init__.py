@@ -9,8 +9,11 @@ Public API (everything else lives in `zjax._src` and may change):
   value_and_grad    a jitted (sharded_params, batch) -> (loss, sharded_grads) running a schedule
   zjax.hlo          collectives and memory of a compiled program
   zero3             the trainer: init / step / gather_params, optax on the shards
+  CheckpointManager orbax checkpoints: async sharded save, restore on any device count
+  export_params     a checkpoint's natural-shape params (numpy), optionally as plain orbax
 """
 
+from zjax._src.checkpoint import CheckpointError, CheckpointManager, export_params
 from zjax._src.config import ZeroConfig
 from zjax import hlo
 from zjax._src.errors import ScheduleError, ScheduleMismatchError, TraceError, ZjaxError
@@ -36,6 +39,9 @@ __all__ = [
     "Zero3",
     "TrainState",
     "NonFiniteError",
+    "CheckpointManager",
+    "CheckpointError",
+    "export_params",
     "ZjaxError",
     "TraceError",
     "ScheduleError",

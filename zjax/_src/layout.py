@@ -6,6 +6,8 @@ bucket's leaves, one all-gather returns an [N, bucket/N] rank-major buffer, and 
 read back from its column range. The reduce-scatter is the mirror image.
 """
 
+import functools
+import re
 from typing import Any
 
 import jax
@@ -21,6 +23,46 @@ def param_specs(schedule) -> list[P]:
   """PartitionSpec of each leaf's storage, in schedule (= tree-flatten) order."""
   axis = schedule.config.axis_name
   return [P() if p.persistent else P(axis) for p in schedule.params]
+
+
+def storage_shape(entry, num_devices: int) -> tuple[int, ...]:
+  """Shape of a leaf in the sharded layout: natural if persistent, else flat and padded."""
+  return tuple(entry.shape) if entry.persistent else (ir.padded_size(entry.size, num_devices),)
+
+
+def mirrored_param(path: str, shape, schedule) -> int | None:
+  """Index of the parameter an optimizer-state leaf mirrors (e.g. adam's mu for that
+  parameter): its path ends with the parameter's path and it has the parameter's storage
+  shape. None for other leaves (step counts, scalars)."""
+  best = None
+  for i, entry in enumerate(schedule.params):
+    if path.endswith(entry.path) and \
+        tuple(shape) == storage_shape(entry, schedule.num_devices) and \
+        (best is None or len(entry.path) > len(schedule.params[best].path)):
+      best = i
+  return best
+
+
+def tree_from_paths(paths, leaves):
+  """A pytree of nested dicts from keystr paths ("['a']['b']", "[0]", ".attr")."""
+  root: dict = {}
+  for path, leaf in zip(paths, leaves):
+    keys = [_key(m) for m in _KEY_RE.finditer(path)]
+    if not keys or "".join(m.group(0) for m in _KEY_RE.finditer(path)) != path:
+      raise ZjaxError(f"Cannot rebuild the pytree structure from the path {path}.")
+    node = root
+    for key in keys[:-1]:
+      node = node.setdefault(key, {})
+    node[keys[-1]] = leaf
+  return root
+
+
+_KEY_RE = re.compile(r"\['((?:[^'\\]|\\.)*)'\]|\[(-?\d+)\]|\.([A-Za-z_][A-Za-z_0-9]*)")
+
+
+def _key(match):
+  string, index, attr = match.groups()
+  return string if string is not None else (int(index) if index is not None else attr)
 
 
 def place(x, mesh, spec):
@@ -104,32 +146,36 @@ def per_device_bytes(tree) -> int:
 
 
 def unshard(sharded: Any, schedule) -> Any:
-  """The natural-shape params of a sharded pytree, bitwise equal to what `shard` was given."""
+  """The natural-shape params of a sharded pytree, bitwise equal to what `shard` was given.
+  Leaves on one mesh come back replicated on it, from one compiled program."""
   leaves, treedef = matching_leaves(sharded, schedule, "sharded")
-  out = []
   for leaf, entry in zip(leaves, schedule.params):
-    if entry.persistent:
-      out.append(leaf)
-      continue
-    expected = (ir.padded_size(entry.size, schedule.num_devices),)
-    if tuple(leaf.shape) != expected:
-      raise ZjaxError(f"Sharded leaf {entry.path} has shape {tuple(leaf.shape)}; the "
-                      f"schedule's layout stores it flat as {expected}.")
-    out.append(_natural_shape(leaf, entry))
+    expected = storage_shape(entry, schedule.num_devices)
+    if tuple(np.shape(leaf)) != expected:
+      raise ZjaxError(f"Sharded leaf {entry.path} has shape {tuple(np.shape(leaf))}; the "
+                      f"schedule's layout stores it as {expected}.")
+  meshes = {getattr(getattr(x, "sharding", None), "mesh", None) for x in leaves}
+  mesh = meshes.pop() if len(meshes) == 1 else None
+  if not isinstance(mesh, jax.sharding.Mesh):  # host or mixed placements: leaf by leaf
+    out = [leaf if e.persistent else jnp.asarray(leaf)[:e.size].reshape(e.shape)
+           for leaf, e in zip(leaves, schedule.params)]
+  else:
+    out = _unshard_program(schedule, mesh)(leaves)
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _natural_shape(leaf, entry):
-  """Un-pad and reshape a flat sharded leaf into a replicated natural-shape array."""
-  sharding = getattr(leaf, "sharding", None)
-  if not isinstance(sharding, NamedSharding):
-    return jnp.asarray(leaf)[:entry.size].reshape(entry.shape)
-  mesh = sharding.mesh
+@functools.lru_cache(maxsize=32)
+def _unshard_program(schedule, mesh):
+  entries = schedule.params
 
-  def natural(x):
-    return place(x, mesh, P())[:entry.size].reshape(entry.shape)
+  def natural(leaves):
+    return [x if e.persistent else place(x, mesh, P())[:e.size].reshape(e.shape)
+            for x, e in zip(leaves, entries)]
 
-  return jax.jit(natural, out_shardings=NamedSharding(mesh, P()))(leaf)
+  replicated = NamedSharding(mesh, P())
+  return jax.jit(natural, out_shardings=[
+      NamedSharding(mesh, spec) if e.persistent else replicated
+      for e, spec in zip(entries, param_specs(schedule))])
 
 
 def check_mesh(schedule, mesh) -> None:

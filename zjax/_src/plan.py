@@ -65,7 +65,9 @@ def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
     raise TypeError(f"config must be a zjax.ZeroConfig, got {type(config).__name__}.")
   n = _resolve_num_devices(mesh, num_devices, config.axis_name)
   trace = trace_for_schedule(loss_fn, params, batch, config, n, extra)
-  return plan_schedule(trace, config, n, frozen=_frozen_indices(params, frozen, trace))
+  schedule = plan_schedule(trace, config, n, frozen=_frozen_indices(params, frozen, trace))
+  object.__setattr__(schedule, "params_treedef", jax.tree_util.tree_structure(params))
+  return schedule
 
 
 def _frozen_indices(params, frozen, trace) -> frozenset:

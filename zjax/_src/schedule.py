@@ -42,6 +42,8 @@ class Schedule:
   forward: tuple[ir.Step, ...]
   backward: tuple[ir.Step, ...]
   fingerprint: str = ""
+  # The params' pytree structure, known when compiled in this process (not saved in JSON).
+  params_treedef = None
 
   def __post_init__(self):
     expected = model_fingerprint(self.params, self.num_ops, self.program_hash)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 # No public dead-code elimination in JAX; this is the one jit applies.
 from jax._src.interpreters import partial_eval as pe
 
@@ -38,6 +38,9 @@ class Zero3(NamedTuple):
   init_from: Callable  # (init_fn, *args) -> TrainState, never holding the whole model
   step: Callable  # (TrainState, batch) -> (TrainState, metrics); jitted, state donated
   gather_params: Callable  # TrainState -> natural-shape params
+  abstract_state: Callable  # (extra=None) -> TrainState of ShapeDtypeStructs with shardings
+  schedule: Any  # the schedule it runs
+  mesh: Any  # the mesh it runs on
 
 
 class NonFiniteError(FloatingPointError):
@@ -82,11 +85,19 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
     non-parameter state for a loss `loss_fn(params, batch, extra) -> (loss, new_extra)`."""
     return _state_from(layout.shard(params, schedule, mesh), extra)
 
+  builders = {}
+
   def init_from(init_fn: Callable, *args, extra=None) -> TrainState:
     """Build the sharded state from `init_fn(*args) -> params` (e.g. a Flax `model.init`)
     in one compiled program whose outputs are the shards: no device holds the whole model
     (see `sharded_init` for its memory analysis)."""
-    return _state_from(sharded_init(init_fn, schedule, mesh)(*args), extra)
+    try:
+      build = builders.get(init_fn)
+      if build is None:
+        build = builders[init_fn] = sharded_init(init_fn, schedule, mesh)
+    except TypeError:  # an unhashable init_fn: built again on every call
+      build = sharded_init(init_fn, schedule, mesh)
+    return _state_from(build(*args), extra)
 
   def _state_from(sharded, extra) -> TrainState:
     optcheck.check_optimizer(masked_opt, schedule, mesh, jax.tree_util.tree_structure(sharded),
@@ -124,7 +135,39 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
   def gather_params(state: TrainState):
     return layout.unshard(state.params, schedule)
 
-  return Zero3(init=init, init_from=init_from, step=step, gather_params=gather_params)
+  def abstract_state(extra=None) -> TrainState:
+    """The state `init` would return, as ShapeDtypeStructs carrying their shardings (for
+    checkpoint restore and ahead-of-time compilation); `extra` as a pytree of arrays or
+    ShapeDtypeStructs. Needs the params' pytree structure: known for a schedule compiled
+    in this process; a schedule loaded from JSON rebuilds nested dicts from the paths."""
+    n = schedule.num_devices
+    shardings = [NamedSharding(mesh, spec) for spec in layout.param_specs(schedule)]
+    leaves = [jax.ShapeDtypeStruct(layout.storage_shape(p, n), p.dtype, sharding=s)
+              for p, s in zip(schedule.params, shardings)]
+    params = _params_tree(schedule, leaves)
+    with jax.set_mesh(mesh):
+      opt_state = jax.eval_shape(masked_opt.init, params)
+    replicated = NamedSharding(mesh, P())
+
+    def with_sharding(path, leaf):
+      index = layout.mirrored_param(jax.tree_util.keystr(path), leaf.shape, schedule)
+      return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                  sharding=replicated if index is None else shardings[index])
+
+    return TrainState(
+        step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params=params,
+        opt_state=jax.tree_util.tree_map_with_path(with_sharding, opt_state),
+        extra=jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                          sharding=replicated), extra))
+
+  return Zero3(init=init, init_from=init_from, step=step, gather_params=gather_params,
+               abstract_state=abstract_state, schedule=schedule, mesh=mesh)
+
+
+def _params_tree(schedule, leaves):
+  if schedule.params_treedef is not None:
+    return jax.tree_util.tree_unflatten(schedule.params_treedef, leaves)
+  return layout.tree_from_paths([p.path for p in schedule.params], leaves)
 
 
 def sharded_init(init_fn: Callable, schedule, mesh) -> Callable:
@@ -162,9 +205,14 @@ def sharded_init(init_fn: Callable, schedule, mesh) -> Callable:
       previous = leaves[-1]
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
+  compiled_for = {}  # output structure -> jitted build (a second call does not recompile)
+
   def jitted(*args):
     treedef = jax.tree_util.tree_structure(jax.eval_shape(init_fn, *args))
-    return jax.jit(build, out_shardings=jax.tree_util.tree_unflatten(treedef, shardings))
+    if treedef not in compiled_for:
+      compiled_for[treedef] = jax.jit(
+          build, out_shardings=jax.tree_util.tree_unflatten(treedef, shardings))
+    return compiled_for[treedef]
 
   def run(*args):
     return jitted(*args)(*args)

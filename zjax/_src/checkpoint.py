@@ -1,0 +1,474 @@
+"""Orbax checkpoints of a zero3 train state that restore on any device count and schedule.
+
+On-disk format: one orbax step directory per step, with two items.
+  state/  an orbax PyTree {"params": {"p00000": ...}, "opt": {"o00000": ...},
+          "extra": {"e00000": ...}}. Every parameter, and every optimizer leaf that mirrors
+          one (adam's mu and nu), is stored flat: a sharded leaf as its zero-padded layout
+          storage, a persistent one raveled. Each process writes only its own shards.
+  zjax/   a JSON manifest: format, zjax version, the train step, the saving schedule (JSON),
+          and for every stored array its tree path, natural shape, dtype, the parameter it
+          mirrors and a checksum.
+Restoring reads each flat array truncated or zero-extended to the target layout's length
+(orbax does it shard by shard), so 8 -> 4 devices, or another bucket plan, is one online
+read. The checksum (a position-weighted uint32 sum of the value bits, computed on device)
+ignores zero padding, so it holds across layouts and catches silently corrupted data.
+"""
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zjax._src import layout
+from zjax._src.errors import ZjaxError
+
+FORMAT = "zjax-checkpoint-v1"
+
+
+class CheckpointError(ZjaxError):
+  """A checkpoint is missing, unreadable, corrupted or does not fit the model."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+  key: str  # key in the orbax tree
+  path: str  # keystr path in the train state's part (params / opt_state / extra)
+  shape: tuple  # natural shape (for mirrored leaves, the parameter's)
+  dtype: str
+  stored: tuple  # shape as stored
+  param: int | None  # index of the mirrored parameter, or None
+  checksum: int = 0
+
+
+class CheckpointManager:
+  """Sharded, asynchronous checkpoints of a `zero3` train state (a layer over orbax).
+
+  Args:
+    directory: where step directories go (created if missing).
+    trainer: the `zero3` trainer whose states are saved / restored by default.
+    max_to_keep: keep the newest this many steps (None: all).
+    async_save: `save` returns once the data is off the devices; writing continues in the
+      background (`wait_until_finished()`).
+
+  Example:
+    >>> ckpt = zjax.CheckpointManager("/tmp/run", trainer, max_to_keep=3)  # doctest: +SKIP
+    >>> ckpt.save(100, state)                                             # doctest: +SKIP
+    >>> state = ckpt.restore()          # latest step, in trainer's layout # doctest: +SKIP
+  """
+
+  def __init__(self, directory, trainer=None, *, max_to_keep: int | None = None,
+               async_save: bool = True):
+    self.directory = os.path.abspath(os.fspath(directory))
+    self.trainer = trainer
+    try:
+      os.makedirs(self.directory, exist_ok=True)
+      _check_writable(self.directory)
+      self._manager = ocp.CheckpointManager(
+          self.directory, item_names=("state", "zjax"),
+          options=ocp.CheckpointManagerOptions(
+              max_to_keep=max_to_keep, cleanup_tmp_directories=True,
+              enable_async_checkpointing=async_save))
+    except OSError as e:
+      raise CheckpointError(f"Cannot use checkpoint directory {self.directory}: {e}. Choose "
+                            f"a writable directory.") from None
+
+  # ---- steps ----------------------------------------------------------------------------
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return sorted(self._manager.all_steps())
+
+  def wait_until_finished(self) -> None:
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self._manager.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  # ---- save -----------------------------------------------------------------------------
+
+  def save(self, step: int, state, trainer=None) -> None:
+    """Start saving `state` as `step`. Returns when the data is off the devices (the state
+    may be donated to the next step right away); the files appear atomically when written.
+    An existing step is never overwritten."""
+    trainer = self._trainer(trainer, "save")
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+      raise CheckpointError(f"Checkpoint step must be a non-negative int, got {step!r}.")
+    step = int(step)
+    self._manager.wait_until_finished()  # a previous save may still be writing this step
+    if step in self._manager.all_steps():
+      raise CheckpointError(f"Step {step} already exists in {self.directory}; nothing was "
+                            f"written. Save under a new step or delete that directory.")
+    tree, leaves = _to_stored(state, trainer.schedule)
+    sums = _checksums(tree)
+    leaves = {part: [dataclasses.replace(leaf, checksum=sums[part][leaf.key]) for leaf in ls]
+              for part, ls in leaves.items()}
+    manifest = {
+        "format": FORMAT, "zjax_version": _version(), "train_step": int(state.step),
+        "num_devices": trainer.schedule.num_devices,
+        "schedule": trainer.schedule.to_json(),
+        **{part: [dataclasses.asdict(leaf) for leaf in ls] for part, ls in leaves.items()},
+    }
+    try:
+      self._manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.PyTreeSave(tree), zjax=ocp.args.JsonSave(manifest)))
+    except OSError as e:
+      raise CheckpointError(f"Saving step {step} to {self.directory} failed: {e}. Earlier "
+                            f"steps are intact.") from None
+
+  # ---- restore --------------------------------------------------------------------------
+
+  def restore(self, trainer=None, step: int | None = None, *, like=None):
+    """The train state of `step` (default: the latest) in `trainer`'s layout, on its mesh,
+    whatever device count and schedule saved it. `like`: a train state (or
+    `trainer.abstract_state(...)`) whose pytree structure to use; by default the trainer's,
+    with extra state as nested dicts."""
+    trainer = self._trainer(trainer, "restore")
+    step = self._resolve_step(step)
+    manifest = self._manifest(step)
+    where = f"checkpoint step {step} in {self.directory}"
+    saved = {part: [_Leaf(**{**d, "shape": tuple(d["shape"]), "stored": tuple(d["stored"])})
+                    for d in manifest[part]] for part in ("params", "opt", "extra")}
+    _check_params(saved["params"], trainer.schedule, where)
+    target = like if like is not None else trainer.abstract_state(
+        _extra_template(saved["extra"]))
+    items, plans = _restore_plan(saved, target, trainer.schedule, where)
+    restored = self._read(step, items, manifest, where)
+    _verify_checksums(restored, saved, where)
+    return _assemble(restored, plans, target, manifest["train_step"], trainer)
+
+  def _read(self, step, items, manifest, where):
+    tree = {part: {k: v for k, (v, _) in entries.items()} for part, entries in items.items()}
+    args = {part: {k: a for k, (_, a) in entries.items()} for part, entries in items.items()}
+    try:
+      return self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.PyTreeRestore(item=tree, restore_args=args)))["state"]
+    except Exception as e:  # tensorstore / orbax errors: find the leaf that fails
+      culprit = self._failing_leaf(step, tree, args, manifest)
+      raise CheckpointError(
+          f"Cannot read {where}{culprit}: the data files are missing, truncated or corrupted "
+          f"({_first_line(e)}). Restore another step ({self.all_steps()}) or re-create the "
+          f"checkpoint.") from None
+
+  def _failing_leaf(self, step, tree, args, manifest) -> str:
+    """Which leaf cannot be read (each tried alone), for the error message."""
+    for part, entries in tree.items():
+      for key in entries:
+        try:
+          self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+              item={part: {key: entries[key]}}, restore_args={part: {key: args[part][key]}},
+              partial_restore=True)))
+        except Exception:  # noqa: BLE001 -- any failure identifies the leaf
+          return f", {_describe(part, key, manifest)}"
+    return ""
+
+  def _manifest(self, step) -> dict:
+    try:
+      manifest = self._manager.restore(step, args=ocp.args.Composite(
+          zjax=ocp.args.JsonRestore()))["zjax"]
+    except Exception as e:
+      raise CheckpointError(
+          f"Checkpoint step {step} in {self.directory} has no readable zjax manifest "
+          f"({_first_line(e)}): it is incomplete or not a zjax checkpoint. Restore another "
+          f"step ({self.all_steps()}).") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+      raise CheckpointError(
+          f"Checkpoint step {step} in {self.directory} is not a {FORMAT} checkpoint "
+          f"(format {manifest.get('format') if isinstance(manifest, dict) else None!r}).")
+    return manifest
+
+  def _resolve_step(self, step) -> int:
+    steps = self.all_steps()
+    if not steps:
+      raise CheckpointError(f"No checkpoint in {self.directory}. Check the directory, or "
+                            f"start from init.")
+    if step is None:
+      return steps[-1]
+    if step not in steps:
+      raise CheckpointError(f"No step {step} in {self.directory}; it holds steps {steps}.")
+    return int(step)
+
+  def _trainer(self, trainer, what):
+    trainer = trainer if trainer is not None else self.trainer
+    if trainer is None or not hasattr(trainer, "abstract_state"):
+      raise CheckpointError(f"{what} needs the zero3 trainer (its schedule and mesh): pass "
+                            f"CheckpointManager(directory, trainer) or {what}(..., trainer).")
+    return trainer
+
+
+# ---- export ----------------------------------------------------------------------------
+
+def export_params(directory, step: int | None = None, *, save_to=None):
+  """The natural-shape params of a checkpoint as a pytree of numpy arrays (nested dicts by
+  path), read one parameter at a time: no devices or mesh needed, and host memory holds at
+  most one parameter beyond the output. `save_to`: also write them as a plain orbax
+  checkpoint (`orbax.checkpoint.StandardCheckpointer().restore(save_to)` gives the dict, for
+  `model.apply` without zjax); an existing `save_to` is never overwritten.
+
+  Example:
+    >>> params = zjax.export_params("/tmp/run")              # doctest: +SKIP
+    >>> model.apply(params, x)                               # doctest: +SKIP
+  """
+  manager = CheckpointManager(directory)
+  step = manager._resolve_step(step)
+  manifest = manager._manifest(step)
+  where = f"checkpoint step {step} in {manager.directory}"
+  if save_to is not None and os.path.exists(save_to):
+    raise CheckpointError(f"Export target {save_to} exists; nothing was written. Choose a new "
+                          f"path.")
+  paths, values = [], []
+  for d in manifest["params"]:
+    size = int(np.prod(d["shape"], dtype=np.int64))
+    item = {"params": {d["key"]: np.zeros((), d["dtype"])}}
+    args = {"params": {d["key"]: ocp.RestoreArgs(restore_type=np.ndarray)}}
+    try:
+      flat = manager._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+          item=item, restore_args=args, partial_restore=True)))["state"]["params"][d["key"]]
+    except Exception as e:
+      raise CheckpointError(f"Cannot read parameter {d['path']} of {where} ({_first_line(e)}): "
+                            f"the data files are missing, truncated or corrupted.") from None
+    value = np.ascontiguousarray(flat[:size]).reshape(d["shape"])
+    if int(_checksum_host(value)) != d["checksum"]:
+      raise CheckpointError(f"Parameter {d['path']} in {where} fails its checksum: the data "
+                            f"was corrupted after it was written.")
+    paths.append(d["path"])
+    values.append(value)
+    del flat
+  manager.close()
+  params = layout.tree_from_paths(paths, values)
+  if save_to is not None:
+    with ocp.StandardCheckpointer() as checkpointer:
+      checkpointer.save(os.path.abspath(os.fspath(save_to)), params)
+  return params
+
+
+def _checksum_host(value):
+  """`_checksum` on the host, in numpy (same bits, same wrap-around arithmetic)."""
+  flat = np.ravel(value)
+  if flat.dtype == np.bool_:
+    bits = flat.astype(np.uint32)
+  else:
+    width = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}[flat.dtype.itemsize]
+    bits = flat.view(width).astype(np.uint32)
+  weights = np.arange(bits.shape[0], dtype=np.uint32) * np.uint32(2) + np.uint32(1)
+  return np.sum(bits * weights, dtype=np.uint32)
+
+
+# ---- the stored form ------------------------------------------------------------------
+
+def _to_stored(state, schedule):
+  """(orbax tree, leaf descriptions) of a train state; persistent leaves are raveled."""
+  n = schedule.num_devices
+  param_leaves, _ = layout.matching_leaves(state.params, schedule, "state.params")
+  tree = {"params": {}, "opt": {}, "extra": {}}
+  leaves = {"params": [], "opt": [], "extra": []}
+  for i, (x, entry) in enumerate(zip(param_leaves, schedule.params)):
+    if tuple(x.shape) != layout.storage_shape(entry, n):
+      raise CheckpointError(f"state.params leaf {entry.path} has shape {tuple(x.shape)}, not "
+                            f"the schedule's layout {layout.storage_shape(entry, n)}.")
+    _add(tree, leaves, "params", f"p{i:05d}", entry.path, x, entry, i)
+  for j, (path, x) in enumerate(jax.tree_util.tree_flatten_with_path(state.opt_state)[0]):
+    path = jax.tree_util.keystr(path)
+    index = layout.mirrored_param(path, x.shape, schedule)
+    entry = schedule.params[index] if index is not None else None
+    _add(tree, leaves, "opt", f"o{j:05d}", path, x, entry, index)
+  for j, (path, x) in enumerate(jax.tree_util.tree_flatten_with_path(state.extra)[0]):
+    _add(tree, leaves, "extra", f"e{j:05d}", jax.tree_util.keystr(path), jnp.asarray(x),
+         None, None)
+  return tree, leaves
+
+
+def _add(tree, leaves, part, key, path, x, entry, index):
+  if entry is not None and entry.persistent:
+    x = _ravel(x)
+  shape = tuple(entry.shape) if entry is not None else tuple(x.shape)
+  dtype = jnp.dtype(x.dtype).name
+  tree[part][key] = x
+  leaves[part].append(_Leaf(key, path, shape, dtype, tuple(x.shape), index))
+
+
+@jax.jit
+def _ravel(x):
+  return jnp.ravel(x)
+
+
+@jax.jit
+def _checksum_tree(tree):
+  return jax.tree.map(_checksum, tree)
+
+
+def _checksum(x):
+  """Position-weighted wrap-around sum of the bits of ravel(x): exact in any reduction
+  order, and trailing zero padding adds nothing, so it is the same in every layout."""
+  flat = jnp.ravel(x)
+  if flat.dtype == jnp.bool_:
+    bits = flat.astype(jnp.uint32)
+  else:
+    width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[flat.dtype.itemsize]
+    bits = jax.lax.bitcast_convert_type(flat, width).reshape(-1).astype(jnp.uint32)
+  weights = jnp.arange(bits.shape[0], dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(1)
+  return jnp.sum(bits * weights, dtype=jnp.uint32)
+
+
+def _checksums(tree) -> dict:
+  return jax.tree.map(int, jax.device_get(_checksum_tree(tree)))
+
+
+# ---- restore planning -----------------------------------------------------------------
+
+def _check_params(saved, schedule, where):
+  """The saved parameters must be the model's: same paths, shapes and dtypes."""
+  by_path = {leaf.path: leaf for leaf in saved}
+  for entry in schedule.params:
+    leaf = by_path.pop(entry.path, None)
+    if leaf is None:
+      raise CheckpointError(f"{where} has no parameter {entry.path}: it was saved from a "
+                            f"different model. Restore it with the model that saved it.")
+    if tuple(leaf.shape) != tuple(entry.shape) or leaf.dtype != entry.dtype:
+      raise CheckpointError(
+          f"Parameter {entry.path} in {where} is {leaf.dtype}{list(leaf.shape)}, but this "
+          f"model has {entry.dtype}{list(entry.shape)}: a different model. Restore it with "
+          f"the model that saved it.")
+  if by_path:
+    raise CheckpointError(f"{where} has parameters this model lacks: {sorted(by_path)[:3]}; "
+                          f"it was saved from a different model.")
+
+
+def _extra_template(saved_extra):
+  if not saved_extra:
+    return None
+  return layout.tree_from_paths([leaf.path for leaf in saved_extra],
+                                [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+                                 for leaf in saved_extra])
+
+
+def _restore_plan(saved, target, schedule, where):
+  """Orbax restore items {part: {key: (abstract, restore args)}} for the target state, and
+  per target leaf the saved key and whether to reshape it to its natural shape."""
+  items = {"params": {}, "opt": {}, "extra": {}}
+  plans = {}
+  params_by_path = {leaf.path: leaf for leaf in saved["params"]}
+  target_params = layout.matching_leaves(target.params, schedule, "target params")[0]
+  plans["params"] = [
+      _plan_leaf(items, "params", params_by_path[e.path], x, e, where)
+      for x, e in zip(target_params, schedule.params)]
+  saved_paths = [leaf.path for leaf in saved["params"]]
+  plans["opt"] = _plan_part(items, "opt", saved["opt"], target.opt_state, schedule,
+                            saved_paths, where, "optimizer state", "the same optimizer")
+  plans["extra"] = _plan_part(items, "extra", saved["extra"], target.extra, schedule,
+                              saved_paths, where, "extra state", "the same extra state")
+  return items, plans
+
+
+def _plan_part(items, part, saved, target_tree, schedule, saved_paths, where, what, advice):
+  by_path = {leaf.path: leaf for leaf in saved}
+  targets = jax.tree_util.tree_flatten_with_path(target_tree)[0]
+  expected = {jax.tree_util.keystr(p) for p, _ in targets}
+  if set(by_path) != expected:
+    missing = sorted(expected - set(by_path))
+    extra = sorted(set(by_path) - expected)
+    raise CheckpointError(f"The {what} in {where} differs from the trainer's (missing: "
+                          f"{missing[:3]}, unexpected: {extra[:3]}). Restore with {advice} "
+                          f"that saved it.")
+  plans = []
+  for path, x in targets:
+    path = jax.tree_util.keystr(path)
+    index = layout.mirrored_param(path, x.shape, schedule) if part == "opt" else None
+    entry = schedule.params[index] if index is not None else None
+    leaf = by_path[path]
+    if (leaf.param is None) != (index is None) or (
+        entry is not None and saved_paths[leaf.param] != entry.path):
+      raise CheckpointError(f"Optimizer leaf {path} in {where} does not mirror the same "
+                            f"parameter as the trainer's. Restore with {advice} that saved it.")
+    plans.append(_plan_leaf(items, part, leaf, x, entry, where))
+  return plans
+
+
+def _plan_leaf(items, part, leaf, target, entry, where):
+  """One leaf's restore: mirrored leaves read flat to the target's length."""
+  sharding = target.sharding
+  if leaf.dtype != jnp.dtype(target.dtype).name:
+    raise CheckpointError(f"{_what(part)} {leaf.path} in {where} is {leaf.dtype}; the trainer "
+                          f"expects {jnp.dtype(target.dtype).name}. Restore with the "
+                          f"precision settings that saved it.")
+  if entry is not None:
+    length = entry.size if entry.persistent else int(np.prod(target.shape))
+    flat_sharding = sharding if not entry.persistent else NamedSharding(sharding.mesh, P())
+    abstract = jax.ShapeDtypeStruct((length,), target.dtype, sharding=flat_sharding)
+    args = ocp.ArrayRestoreArgs(sharding=flat_sharding, global_shape=(length,), strict=False)
+    reshape = tuple(entry.shape) if entry.persistent else None
+  else:
+    if tuple(leaf.stored) != tuple(target.shape):
+      raise CheckpointError(f"{_what(part)} {leaf.path} in {where} has shape "
+                            f"{list(leaf.stored)}; the trainer expects {list(target.shape)}.")
+    abstract = jax.ShapeDtypeStruct(target.shape, target.dtype, sharding=sharding)
+    args = ocp.ArrayRestoreArgs(sharding=sharding)
+    reshape = None
+  items[part][leaf.key] = (abstract, args)
+  return leaf.key, reshape
+
+
+def _verify_checksums(restored, saved, where):
+  sums = _checksums(restored)
+  for part, leaves in saved.items():
+    for leaf in leaves:
+      if sums[part][leaf.key] != leaf.checksum:
+        raise CheckpointError(
+            f"{_what(part)} {leaf.path} in {where} fails its checksum: the data was corrupted "
+            f"after it was written. Restore another step or re-create the checkpoint.")
+
+
+def _assemble(restored, plans, target, train_step, trainer):
+  """The train state in the target's structure; persistent leaves back to natural shape."""
+  replicated = NamedSharding(trainer.mesh, P())
+  parts = {part: [restored[part][key] for key, _ in plans[part]] for part in plans}
+  shapes = {part: [shape for _, shape in plans[part]] for part in plans}
+  reshaped = jax.jit(lambda parts: {
+      part: [x if shape is None else x.reshape(shape) for x, shape in zip(xs, shapes[part])]
+      for part, xs in parts.items()})(parts)
+
+  def tree(part, like):
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), reshaped[part])
+
+  step = jax.device_put(jnp.asarray(train_step, jnp.int32), replicated)
+  return type(target)(step=step, params=tree("params", target.params),
+                      opt_state=tree("opt", target.opt_state), extra=tree("extra", target.extra))
+
+
+# ---- helpers --------------------------------------------------------------------------
+
+def _what(part):
+  return {"params": "Parameter", "opt": "Optimizer leaf", "extra": "Extra-state leaf"}[part]
+
+
+def _describe(part, key, manifest) -> str:
+  for d in manifest.get(part, []):
+    if d["key"] == key:
+      return f"{_what(part).lower()} {d['path']}"
+  return key
+
+
+def _first_line(e) -> str:
+  text = str(e).strip().splitlines()
+  return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+
+
+def _check_writable(directory):
+  if not os.access(directory, os.W_OK | os.X_OK):
+    raise PermissionError("not writable")
+
+
+def _version() -> str:
+  from zjax import __version__
+  return __version__
