@@ -299,3 +299,18 @@ def test_failed_saves_change_nothing(saved, tmp_path):
   blocker.write_text("not a directory")
   with pytest.raises(zjax.CheckpointError, match="Cannot use checkpoint directory .*a_file"):
     zjax.CheckpointManager(blocker / "ckpt", trainer)
+
+
+def test_checkpointing_script_runs(tmp_path):
+  """examples/checkpointing.py at tiny size (structure only, never speed)."""
+  root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+  done = subprocess.run([sys.executable, os.path.join(root, "examples", "checkpointing.py"),
+                         "--layers", "1", "--d-model", "32", "--steps", "1",
+                         "--dir", str(tmp_path / "ckpt")],
+                        capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-2000:]
+  lines = done.stdout.splitlines()
+  assert [line.split(":")[0] for line in lines] == [
+      "GPT 1 layers, d_model 32", "save", "restore on 8 devices", "restore on 4 devices",
+      "export (fresh process, no mesh)", "export equals gather_params"]
+  assert lines[-1].endswith("True")
