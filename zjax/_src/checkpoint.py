@@ -15,6 +15,7 @@ ignores zero padding, so it holds across layouts and catches silently corrupted 
 """
 
 import dataclasses
+import functools
 import os
 
 import jax
@@ -211,10 +212,11 @@ class CheckpointManager:
 
 def export_params(directory, step: int | None = None, *, save_to=None):
   """The natural-shape params of a checkpoint as a pytree of numpy arrays (nested dicts by
-  path), read one parameter at a time: no devices or mesh needed, and host memory holds at
-  most one parameter beyond the output. `save_to`: also write them as a plain orbax
-  checkpoint (`orbax.checkpoint.StandardCheckpointer().restore(save_to)` gives the dict, for
-  `model.apply` without zjax); an existing `save_to` is never overwritten.
+  path), read and checked one parameter at a time, with no mesh (peak host memory measured
+  in the README: the output plus orbax's runtime and read buffers). `save_to`: also write
+  them as a plain orbax checkpoint (`orbax.checkpoint.StandardCheckpointer().restore(save_to)`
+  gives the dict, for `model.apply` without zjax); an existing `save_to` is never
+  overwritten.
 
   Example:
     >>> params = zjax.export_params("/tmp/run")              # doctest: +SKIP
@@ -239,7 +241,7 @@ def export_params(directory, step: int | None = None, *, save_to=None):
       raise CheckpointError(f"Cannot read parameter {d['path']} of {where} ({_first_line(e)}): "
                             f"the data files are missing, truncated or corrupted.") from None
     value = np.ascontiguousarray(flat[:size]).reshape(d["shape"])
-    if int(_checksum_host(value)) != d["checksum"]:
+    if int(_checksum(value, np)) != d["checksum"]:
       raise CheckpointError(f"Parameter {d['path']} in {where} fails its checksum: the data "
                             f"was corrupted after it was written.")
     paths.append(d["path"])
@@ -251,18 +253,6 @@ def export_params(directory, step: int | None = None, *, save_to=None):
     with ocp.StandardCheckpointer() as checkpointer:
       checkpointer.save(os.path.abspath(os.fspath(save_to)), params)
   return params
-
-
-def _checksum_host(value):
-  """`_checksum` on the host, in numpy (same bits, same wrap-around arithmetic)."""
-  flat = np.ravel(value)
-  if flat.dtype == np.bool_:
-    bits = flat.astype(np.uint32)
-  else:
-    width = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}[flat.dtype.itemsize]
-    bits = flat.view(width).astype(np.uint32)
-  weights = np.arange(bits.shape[0], dtype=np.uint32) * np.uint32(2) + np.uint32(1)
-  return np.sum(bits * weights, dtype=np.uint32)
 
 
 # ---- the stored form ------------------------------------------------------------------
@@ -308,17 +298,19 @@ def _checksum_tree(tree):
   return jax.tree.map(_checksum, tree)
 
 
-def _checksum(x):
+def _checksum(x, xp=jnp):
   """Position-weighted wrap-around sum of the bits of ravel(x): exact in any reduction
-  order, and trailing zero padding adds nothing, so it is the same in every layout."""
-  flat = jnp.ravel(x)
-  if flat.dtype == jnp.bool_:
-    bits = flat.astype(jnp.uint32)
+  order, and trailing zero padding adds nothing, so it is the same in every layout.
+  `xp`: jax.numpy on device, numpy on the host (export); the same bits either way."""
+  flat = xp.ravel(x)
+  if flat.dtype == np.bool_:
+    bits = flat.astype(np.uint32)
   else:
-    width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[flat.dtype.itemsize]
-    bits = jax.lax.bitcast_convert_type(flat, width).reshape(-1).astype(jnp.uint32)
-  weights = jnp.arange(bits.shape[0], dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(1)
-  return jnp.sum(bits * weights, dtype=jnp.uint32)
+    width = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}[flat.dtype.itemsize]
+    bits = (flat.view(width) if xp is np else jax.lax.bitcast_convert_type(flat, width))
+    bits = bits.reshape(-1).astype(np.uint32)
+  weights = xp.arange(bits.shape[0], dtype=np.uint32) * np.uint32(2) + np.uint32(1)
+  return xp.sum(bits * weights, dtype=np.uint32)
 
 
 def _checksums(tree) -> dict:
@@ -433,10 +425,8 @@ def _assemble(restored, plans, target, train_step, trainer):
   """The train state in the target's structure; persistent leaves back to natural shape."""
   replicated = NamedSharding(trainer.mesh, P())
   parts = {part: [restored[part][key] for key, _ in plans[part]] for part in plans}
-  shapes = {part: [shape for _, shape in plans[part]] for part in plans}
-  reshaped = jax.jit(lambda parts: {
-      part: [x if shape is None else x.reshape(shape) for x, shape in zip(xs, shapes[part])]
-      for part, xs in parts.items()})(parts)
+  shapes = tuple((part, tuple(shape for _, shape in plans[part])) for part in plans)
+  reshaped = _natural_shapes(parts, shapes)
 
   def tree(part, like):
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), reshaped[part])
@@ -444,6 +434,13 @@ def _assemble(restored, plans, target, train_step, trainer):
   step = jax.device_put(jnp.asarray(train_step, jnp.int32), replicated)
   return type(target)(step=step, params=tree("params", target.params),
                       opt_state=tree("opt", target.opt_state), extra=tree("extra", target.extra))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _natural_shapes(parts, shapes):
+  """Raveled persistent leaves back to their natural shapes (shape None: left as is)."""
+  return {part: [x if shape is None else x.reshape(shape)
+                 for x, shape in zip(parts[part], part_shapes)] for part, part_shapes in shapes}
 
 
 # ---- helpers --------------------------------------------------------------------------
