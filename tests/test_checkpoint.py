@@ -236,6 +236,7 @@ def _flip_bytes(path):
 
 # orbax's background reads of a damaged file fail again after the error was raised
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
 @pytest.mark.parametrize("damage", [_truncate, _flip_bytes])
 def test_damaged_files_fail_clearly_never_silently(saved, tmp_path, damage):
   directory, trainer, expected = saved
