@@ -15,7 +15,7 @@ def test_api_examples_run(tmp_path, monkeypatch, capsys):
   namespace = {}
   for code in blocks:
     exec(compile(code, "README.md", "exec"), namespace)
-  assert "zjax schedule v1: 8 device(s)" in capsys.readouterr().out
+  assert "zjax schedule v2: 8 device(s)" in capsys.readouterr().out
   assert int(namespace["state"].step) == 3
 
 

@@ -50,7 +50,7 @@ def test_json_round_trip_is_textually_equal(schedule):
 def test_json_is_versioned_and_diff_friendly(schedule):
   text = schedule.to_json()
   data = json.loads(text)
-  assert data["format"] == "zjax-schedule" and data["version"] == 1
+  assert data["format"] == "zjax-schedule" and data["version"] == 2
   assert len(data["fingerprint"]) == 64
   # one step per line: a moved gather is a one-line diff
   assert text.count('{"op": ') == len(schedule.forward) + len(schedule.backward)

@@ -26,8 +26,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from zjax._src import ir, layout
+from zjax._src import collectives, ir, layout
 from zjax._src import segments as seg_lib
+from zjax._src.execute_loop import Loop
 from zjax._src.errors import ScheduleMismatchError, ZjaxError
 from zjax._src.schedule import program_hash
 from zjax._src.trace import trace_for_schedule
@@ -125,6 +126,10 @@ class _DeviceProgram:
     index = {p.path: i for i, p in enumerate(schedule.params)}
     self.members = [[index[path] for path in b.params] for b in schedule.buckets]
     self.consts = dict(zip(program.const_ids, program.consts))
+    backward_loops = {st.segment: st for st in schedule.backward if st.op == ir.LOOP_OP}
+    self.loops = {st.segment: Loop(self, st.segment, self.segments[st.segment].ops[0], st,
+                                   backward_loops[st.segment])
+                  for st in schedule.forward if st.op == ir.LOOP_OP}
 
   def compute_dtype(self, i):
     return ir.gather_dtype(self.s.params[i].dtype, self.s.config.compute_dtype)
@@ -193,11 +198,8 @@ class _State:
     chunks = [self.shards[i].astype(self.dp.compute_dtype(i)) for i in members]
     if self.anchor is not None:
       chunks, _ = lax.optimization_barrier((chunks, self.anchor))
-    local = jnp.concatenate(chunks) if len(chunks) > 1 else chunks[0]
-    wire = lax.all_gather(layout.to_wire(local), self.dp.axis, tiled=False)
-    full = layout.from_wire(wire, local.dtype, local.shape[0])
-    for i, value in zip(members, layout.unpack_gathered(full, entries, self.dp.n)):
-      self.gathered[i] = value
+    values = collectives.all_gather_bucket(chunks, entries, self.dp.n, self.dp.axis)
+    self.gathered.update(zip(members, values))
 
   def release(self, b):
     for i in self.dp.members[b]:
@@ -209,10 +211,12 @@ class _State:
     grads = [self.full_grads.pop(i, None) for i in members]
     grads = [jnp.zeros(e.shape, self.dp.reduce_dtype(i)) if g is None else
              g.astype(self.dp.reduce_dtype(i)) for i, g, e in zip(members, grads, entries)]
-    packed = layout.pack_for_scatter(grads, entries, self.dp.n)
-    mine = lax.psum_scatter(packed, self.dp.axis, scatter_dimension=0, tiled=False)
-    for i, chunk in zip(members, layout.split_chunks(mine / self.dp.n, entries, self.dp.n)):
-      self.shard_grads[i] = chunk if i not in self.shard_grads else self.shard_grads[i] + chunk
+    chunks = collectives.reduce_scatter_bucket(grads, entries, self.dp.n, self.dp.axis)
+    for i, chunk in zip(members, chunks):
+      self.add_shard_grad(i, chunk)
+
+  def add_shard_grad(self, i, chunk):
+    self.shard_grads[i] = chunk if i not in self.shard_grads else self.shard_grads[i] + chunk
 
   def run_step(self, step, phase: str):
     if step.op == "gather":
@@ -221,6 +225,8 @@ class _State:
       self.release(step.bucket)
     elif step.op == "reduce_scatter":
       self.reduce_scatter(step.bucket)
+    elif step.op == ir.LOOP_OP:
+      (self.forward_loop if phase == "forward" else self.backward_loop)(step.segment)
     elif phase == "forward":
       self.forward_compute(step.segment)
     else:
@@ -239,6 +245,51 @@ class _State:
     self.env.update(zip(io.outputs, outs))
     if outs:
       self.anchor = outs[-1]
+
+  # ---- loops (see execute_loop.py) ------------------------------------------------------
+  def stacked_shards(self, loop) -> dict:
+    return {i: self.shards[i].astype(self.dp.compute_dtype(i))
+            for b in loop.buckets for i in self.dp.members[b]}
+
+  def input_value(self, atom):
+    if isinstance(atom, jex.Literal):
+      return jnp.asarray(atom.val)
+    return self.view(atom) if atom in self.dp.chains else self.env[atom]
+
+  def forward_loop(self, k):
+    loop = self.dp.loops[k]
+    inputs = [None if j in loop.stacked_inputs else self.input_value(a)
+              for j, a in enumerate(loop.op.inputs)]
+    outs, self.vjps[k] = loop.forward(self.stacked_shards(loop), inputs, self.anchor)
+    self.env.update(zip(loop.op.outputs, outs))
+    if outs:
+      self.anchor = outs[0]
+
+  def backward_loop(self, k):
+    loop, io = self.dp.loops[k], self.dp.segments[k]
+    ct_outs = []
+    for o in loop.op.outputs:
+      ct = self.cts.pop(o, None)
+      aval = self.dp.program.avals[o]
+      if not ir.is_float(aval.dtype):
+        ct = None
+      elif ct is None:
+        ct = jnp.zeros(aval.shape, aval.dtype)
+      ct_outs.append(ct)
+    ct_inputs, grads = loop.backward(self.stacked_shards(loop), self.vjps.pop(k), ct_outs,
+                                     self.anchor)
+    diff_views = {v for v, d in zip(io.param_inputs, self.dp.diff_params[k]) if d}
+    diff_acts = {a for a, d in zip(io.act_inputs, self.dp.diff_acts[k]) if d}
+    for a, ct in zip(loop.op.inputs, ct_inputs):
+      if ct is None or not isinstance(a, int):
+        continue
+      if a in diff_views:
+        self._accumulate_param_grad(a, ct)
+      elif a in diff_acts:
+        self.cts[a] = ct if a not in self.cts else self.cts[a] + ct
+        self.anchor = ct
+    for i, chunks in grads.items():
+      self.add_shard_grad(i, chunks)
 
   # ---- backward --------------------------------------------------------------------------
   def start_backward(self, loss_id, loss):
@@ -302,7 +353,7 @@ class _State:
       elif i in self.shard_grads:
         out.append(self.shard_grads[i].astype(entry.dtype))
       else:  # unused, frozen or non-float: zero gradient
-        out.append(jnp.zeros((layout.chunk_size(entry, s.num_devices),), entry.dtype))
+        out.append(jnp.zeros(layout.local_shape(entry, s.num_devices), entry.dtype))
     return out
 
 

@@ -4,7 +4,8 @@ per-device memory (from `memory_analysis()`). Used by tests, `zjax inspect` and 
 Bytes of a collective are those of its full buffer: the output of an all-gather, the input
 of a reduce-scatter (output times group size), the operand of an all-reduce — the same
 convention as `Schedule.report()`. Async pairs (`-start`/`-done`) count once, at the start.
-A collective inside a while body appears once in the text and is counted once.
+A collective inside a while body appears once in the text: `summarize` counts it once (what
+the text holds), `executed` once per iteration (what runs), from the loop's known trip count.
 """
 
 import dataclasses
@@ -23,6 +24,11 @@ _INSTRUCTION = re.compile(
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]+)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+_WHILE_BODY = re.compile(r"\swhile\(.*\bbody=%?([\w.\-]+)")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_BRANCHES = re.compile(
+    r"\sconditional\(.*?(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+),"
+    r"\s*false_computation=%?([\w.\-]+))")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +53,43 @@ def collectives(hlo_text: str) -> list[Collective]:
     found.append(Collective(kind, _collective_bytes(kind, m.group("op"), m.group("shape"), line),
                             m.group("shape"), computation))
   return found
+
+
+def while_loops(hlo_text: str) -> dict[str, int | None]:
+  """Body computation name -> trip count (None when XLA does not know it) of every while."""
+  loops = {}
+  for line in hlo_text.splitlines():
+    m = _WHILE_BODY.search(line)
+    if m:
+      trip = _TRIP_COUNT.search(line)
+      loops[m.group(1)] = int(trip.group(1)) if trip else None
+  return loops
+
+
+def conditional_branches(hlo_text: str) -> set[str]:
+  """Names of the branch computations of every conditional."""
+  names = set()
+  for line in hlo_text.splitlines():
+    m = _BRANCHES.search(line)
+    if m:
+      listed = m.group(1).split(",") if m.group(1) else [m.group(2), m.group(3)]
+      names.update(n.strip().lstrip("%") for n in listed)
+  return names
+
+
+def executed(hlo_text: str) -> dict:
+  """Counts and bytes per collective kind as executed: a collective in a while body once
+  per iteration (its loop's trip count must be known)."""
+  loops = while_loops(hlo_text)
+  out = {}
+  for c in collectives(hlo_text):
+    times = loops.get(c.computation, 1)
+    if times is None:
+      raise ValueError(f"A {c.kind} sits in while body {c.computation}, whose trip count XLA "
+                       f"does not know; its executed count is undefined.")
+    out[f"{c.kind}_count"] = out.get(f"{c.kind}_count", 0) + times
+    out[f"{c.kind}_bytes"] = out.get(f"{c.kind}_bytes", 0) + times * c.bytes
+  return out
 
 
 def summarize(compiled) -> dict:

@@ -14,6 +14,11 @@ Vocabulary:
     once per forward gather, after the last backward compute that uses the bucket.
   * layout: a sharded parameter is stored flat, zero-padded to a multiple of N elements, and
     split into N contiguous chunks, chunk d on device d; persistent parameters are replicated.
+  * loops: a parameter stacked along a layer axis and consumed whole by one scan (as its xs)
+    is *stacked*: stored [L, padded layer], each device holding 1/N of every layer. Its
+    bucket (all stacked members of one module) is gathered one layer at a time inside a
+    "loop" step, which runs its segment (that scan alone) with a body of steps executed
+    once per iteration; a body gather with prefetch=True is issued one iteration ahead.
 """
 
 import dataclasses
@@ -22,9 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 
 FORMAT_NAME = "zjax-schedule"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1: no loops, no stacked parameters
 FORWARD_OPS = ("gather", "compute", "release")
 BACKWARD_OPS = ("gather", "compute", "release", "reduce_scatter")
+LOOP_OP = "loop"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,10 +44,20 @@ class ParamEntry:
   bucket: int | None  # None for persistent and unused parameters
   uses: tuple[int, ...]
   frozen: bool = False  # gathered for compute, but no gradient, reduction or optimizer state
+  stacked: bool = False  # stored per layer slice [L, padded layer], gathered per iteration
 
   @property
   def size(self) -> int:
     return int(np.prod(self.shape, dtype=np.int64))
+
+  @property
+  def layer_shape(self) -> tuple[int, ...]:
+    """The shape of what one gather makes whole: one layer slice if stacked, else all."""
+    return tuple(self.shape[1:]) if self.stacked else tuple(self.shape)
+
+  @property
+  def layer_size(self) -> int:
+    return int(np.prod(self.layer_shape, dtype=np.int64))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +67,7 @@ class Bucket:
   dtype: str
   params: tuple[str, ...]  # paths, in first-use order
   frozen: bool = False  # all its parameters are frozen (a bucket never mixes)
+  stacked: bool = False  # its parameters are stacked: gathered one layer at a time in a loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +86,15 @@ class Step:
   bucket: int | None = None
   segment: int | None = None
   prefetch: bool = False
+  length: int = 0  # loop: trip count
+  body: tuple = ()  # loop: the steps run once per iteration
 
   def to_dict(self) -> dict:
     if self.op == "compute":
       return {"op": "compute", "segment": self.segment}
+    if self.op == LOOP_OP:
+      return {"op": LOOP_OP, "segment": self.segment, "length": self.length,
+              "body": [st.to_dict() for st in self.body]}
     out = {"op": self.op, "bucket": self.bucket}
     if self.op == "gather":
       out["prefetch"] = self.prefetch
@@ -81,6 +104,19 @@ class Step:
 def padded_size(size: int, num_devices: int) -> int:
   """Elements of a sharded parameter's flat storage: size rounded up to a multiple of N."""
   return -(-size // num_devices) * num_devices
+
+
+def gathered_elements(entry, num_devices: int) -> int:
+  """Elements one gather of the parameter makes whole (padded): one layer if stacked."""
+  return padded_size(entry.layer_size, num_devices)
+
+
+def local_elements(entry, num_devices: int) -> int:
+  """Elements of the parameter each device stores."""
+  if entry.persistent:
+    return entry.size
+  per_layer = padded_size(entry.layer_size, num_devices) // num_devices
+  return per_layer * entry.shape[0] if entry.stacked else per_layer
 
 
 def is_float(dtype) -> bool:

@@ -1,11 +1,14 @@
 """The sharded layout: every sharded leaf flat, zero-padded to a multiple of N, 1/N per device;
-persistent leaves replicated. The pytree keeps the params' own structure.
+persistent leaves replicated; a stacked leaf (gathered one layer at a time in a loop) as
+[L, padded layer], each layer's row split over the devices, so that every device holds 1/N
+of every layer. The pytree keeps the params' own structure.
 
 Also the per-bucket packing used at gather time: device d concatenates its chunks of a
 bucket's leaves, one all-gather returns an [N, bucket/N] rank-major buffer, and each leaf is
 read back from its column range. The reduce-scatter is the mirror image.
 """
 
+import dataclasses
 import functools
 import re
 from typing import Any
@@ -21,13 +24,63 @@ from zjax._src.errors import ZjaxError
 
 def param_specs(schedule) -> list[P]:
   """PartitionSpec of each leaf's storage, in schedule (= tree-flatten) order."""
-  axis = schedule.config.axis_name
-  return [P() if p.persistent else P(axis) for p in schedule.params]
+  return [storage_spec(p, schedule.config.axis_name) for p in schedule.params]
+
+
+def storage_spec(entry, axis: str) -> P:
+  if entry.persistent:
+    return P()
+  return P(None, axis) if entry.stacked else P(axis)
 
 
 def storage_shape(entry, num_devices: int) -> tuple[int, ...]:
-  """Shape of a leaf in the sharded layout: natural if persistent, else flat and padded."""
-  return tuple(entry.shape) if entry.persistent else (ir.padded_size(entry.size, num_devices),)
+  """Shape of a leaf in the sharded layout: natural if persistent, flat and padded if
+  sharded, [layers, padded layer] if stacked."""
+  if entry.persistent:
+    return tuple(entry.shape)
+  padded = ir.padded_size(entry.layer_size, num_devices)
+  return (entry.shape[0], padded) if entry.stacked else (padded,)
+
+
+def local_shape(entry, num_devices: int) -> tuple[int, ...]:
+  """Shape of the part of a leaf's storage each device holds."""
+  shape = storage_shape(entry, num_devices)
+  if entry.persistent:
+    return shape
+  return shape[:-1] + (shape[-1] // num_devices,)
+
+
+def layer_entry(entry):
+  """The entry of one layer slice of a stacked parameter (what one loop gather makes whole)."""
+  return dataclasses.replace(entry, shape=entry.layer_shape, stacked=False)
+
+
+def storage_from_natural(x, entry, num_devices: int, xp=jnp):
+  """A natural-shape leaf as its storage (`xp`: jax.numpy, or numpy on the host)."""
+  if entry.persistent:
+    return x
+  pad = ir.padded_size(entry.layer_size, num_devices) - entry.layer_size
+  if entry.stacked:
+    return xp.pad(xp.reshape(x, (entry.shape[0], -1)), ((0, 0), (0, pad)))
+  return xp.pad(xp.ravel(x), (0, pad))
+
+
+def natural_from_storage(x, entry):
+  """Inverse of `storage_from_natural`: padding dropped, natural shape."""
+  if entry.persistent:
+    return x
+  if entry.stacked:
+    return x[:, :entry.layer_size].reshape(entry.shape)
+  return x[:entry.size].reshape(entry.shape)
+
+
+def storage_padding(x, entry):
+  """The padding elements of a leaf's storage, flat (empty when there are none)."""
+  if entry.persistent:
+    return x.reshape(-1)[:0]
+  if entry.stacked:
+    return x[:, entry.layer_size:].reshape(-1)
+  return x[entry.size:]
 
 
 def mirrored_param(path: str, shape, schedule) -> int | None:
@@ -95,9 +148,7 @@ def shard(params: Any, schedule, mesh) -> Any:
     if isinstance(leaf, jax.Array):
       on_device.append(i)
     else:
-      host = np.asarray(leaf)
-      host = host if entry.persistent else np.pad(
-          host.ravel(), (0, ir.padded_size(entry.size, schedule.num_devices) - entry.size))
+      host = storage_from_natural(np.asarray(leaf), entry, schedule.num_devices, np)
       out[i] = jax.device_put(host, shardings[i])
   if on_device:
     laid_out = _lay_out_on_devices([leaves[i] for i in on_device],
@@ -132,8 +183,8 @@ def largest_dim_spec(shape, num_devices: int, axis: str) -> P:
 
 
 def flat_padded(x, entry, num_devices):
-  """A natural-shape leaf as its flat storage: raveled, zero-padded to a multiple of N."""
-  return jnp.pad(jnp.ravel(x), (0, ir.padded_size(entry.size, num_devices) - entry.size))
+  """A natural-shape leaf as its storage (see `storage_from_natural`), on device."""
+  return storage_from_natural(x, entry, num_devices)
 
 
 def per_device_bytes(tree) -> int:
@@ -157,8 +208,7 @@ def unshard(sharded: Any, schedule) -> Any:
   meshes = {getattr(getattr(x, "sharding", None), "mesh", None) for x in leaves}
   mesh = meshes.pop() if len(meshes) == 1 else None
   if not isinstance(mesh, jax.sharding.Mesh):  # host or mixed placements: leaf by leaf
-    out = [leaf if e.persistent else jnp.asarray(leaf)[:e.size].reshape(e.shape)
-           for leaf, e in zip(leaves, schedule.params)]
+    out = [natural_from_storage(jnp.asarray(leaf), e) for leaf, e in zip(leaves, schedule.params)]
   else:
     out = _unshard_program(schedule, mesh)(leaves)
   return jax.tree_util.tree_unflatten(treedef, out)
@@ -169,7 +219,7 @@ def _unshard_program(schedule, mesh):
   entries = schedule.params
 
   def natural(leaves):
-    return [x if e.persistent else place(x, mesh, P())[:e.size].reshape(e.shape)
+    return [x if e.persistent else natural_from_storage(place(x, mesh, P()), e)
             for x, e in zip(leaves, entries)]
 
   replicated = NamedSharding(mesh, P())

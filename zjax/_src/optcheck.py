@@ -61,8 +61,6 @@ def _differences(schedule, mesh, trainable):
   """One jitted program: (natural updates per step, flat updates per step) -> array
   [step, trainable leaf, (max |difference|, max |padding|, max |natural|)]. Each leaf is
   replicated before comparing, which XLA does one leaf at a time."""
-  n = schedule.num_devices
-
   def leaf(entry, natural, flat):
     natural = layout.place(natural, mesh, P()).astype(jnp.float32)
     flat = layout.place(flat, mesh, P()).astype(jnp.float32)
@@ -70,9 +68,8 @@ def _differences(schedule, mesh, trainable):
     scale = jnp.max(jnp.abs(natural), initial=0.0)
     if entry.persistent or entry.size == 0:
       return jnp.stack([jnp.max(jnp.abs(natural - flat), initial=0.0), zero, scale])
-    size = entry.size
-    diff = jnp.max(jnp.abs(flat[:size].reshape(entry.shape) - natural))
-    pad = jnp.max(jnp.abs(flat[size:])) if ir.padded_size(size, n) > size else zero
+    diff = jnp.max(jnp.abs(layout.natural_from_storage(flat, entry) - natural))
+    pad = jnp.max(jnp.abs(layout.storage_padding(flat, entry)), initial=0.0)
     return jnp.stack([diff, pad, scale])
 
   def differences(natural_steps, flat_steps):

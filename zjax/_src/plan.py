@@ -2,9 +2,12 @@
 
 1. Layout: parameters with at most `param_persistence_threshold` elements (and all of them on
    one device) are persistent (replicated); the others are sharded.
-2. Buckets: sharded, used parameters grouped by owning module and dtype, in first-use order.
+2. Buckets: sharded, used parameters grouped by owning module and dtype, in first-use order;
+   stacked parameters (loops.py: consumed one layer per iteration by a scan) form buckets
+   of their own, gathered one layer at a time.
 3. Segments: the op list cut so that a segment starts where a bucket that is not yet in use
-   is needed, and ends right after its last parameter use (releases come promptly).
+   is needed, and ends right after its last parameter use (releases come promptly). A scan
+   with stacked parameters is a segment of its own, run by a "loop" step.
 4. Instances: each bucket's uses are grouped into gather instances; a gap of more than
    `max_reuse_distance` elements of work (parameter elements used in between) splits an
    instance (release, then gather again). The last instance stays gathered into backward
@@ -14,6 +17,10 @@
    earlier (prefetch) while upcoming-but-unused gathered elements stay within
    `prefetch_bucket_size` and live elements within `max_live_parameters`. In backward each
    instance's gradient is reduce-scattered after its last backward use, then released.
+   A loop segment's compute becomes a loop step whose body gathers its stacked buckets'
+   current layer, computes, (backward: reduce-scatters the layer's gradient,) releases.
+   The body gathers one iteration ahead (prefetch) when one layer's elements fit in
+   `prefetch_bucket_size` and two layers fit under `max_live_parameters`.
 """
 
 import dataclasses
@@ -22,7 +29,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from zjax._src import ir
+from zjax._src import ir, loops
 from zjax._src import segments as seg_lib
 from zjax._src.config import ZeroConfig
 from zjax._src.errors import ScheduleError
@@ -88,22 +95,30 @@ def plan_schedule(trace: ProgramTrace, config: ZeroConfig, num_devices: int,
   """Plan a schedule from a traced program (see the module docstring for the steps)."""
   persistent = {p.index for p in trace.params
                 if num_devices == 1 or p.size <= config.param_persistence_threshold}
-  groups = _group_buckets(trace, persistent, frozen)
+  sharded = {p.index for p in trace.params if p.index not in persistent}
+  stacked = loops.stacked_params(trace.program, trace.params, sharded)
+  groups = _group_buckets(trace, persistent, frozen, stacked)
   bucket_of = {i: b for b, (*_, members) in enumerate(groups) for i in members}
   entries = tuple(
       ir.ParamEntry(path=p.path, shape=p.shape, dtype=p.dtype.name,
                     persistent=p.index in persistent, bucket=bucket_of.get(p.index),
-                    uses=tuple(u.op for u in p.uses), frozen=p.index in frozen)
+                    uses=tuple(u.op for u in p.uses), frozen=p.index in frozen,
+                    stacked=p.index in stacked)
       for p in trace.params)
   buckets = tuple(
       ir.Bucket(id=b, module=module, dtype=dtype,
-                params=tuple(trace.params[i].path for i in members), frozen=is_frozen)
-      for b, (module, dtype, is_frozen, members) in enumerate(groups))
+                params=tuple(trace.params[i].path for i in members), frozen=is_frozen,
+                stacked=members[0] in stacked)
+      for b, (module, dtype, is_frozen, _, members) in enumerate(groups))
   trained = [ir.has_gradient(e) for e in entries]
-  segments = _with_backward_buckets(_make_segments(trace, bucket_of), trace, bucket_of, trained)
-  elements = [sum(ir.padded_size(trace.params[i].size, num_devices) for i in members)
+  loop_ops = set(stacked.values())
+  segments = _make_segments(trace, bucket_of, loop_ops)
+  segments = _with_backward_buckets(segments, trace, bucket_of, trained, loop_ops)
+  elements = [sum(ir.gathered_elements(entries[i], num_devices) for i in members)
               for *_, members in groups]
-  forward, backward = _StepPlanner(segments, elements, buckets, config).plan()
+  lengths = {b: entries[members[0]].shape[0] for b, (*_, members) in enumerate(groups)
+             if buckets[b].stacked}
+  forward, backward = _StepPlanner(segments, elements, buckets, config, lengths).plan()
   return Schedule(num_devices=num_devices, config=config, num_ops=len(trace.ops),
                   program_hash=program_hash(o.primitive for o in trace.ops), params=entries,
                   buckets=buckets, segments=segments, forward=forward, backward=backward)
@@ -123,36 +138,49 @@ def _resolve_num_devices(mesh, num_devices, axis_name) -> int:
   return num_devices
 
 
-def _group_buckets(trace, persistent, frozen) -> list[tuple[str, str, bool, list[int]]]:
-  """(owner module, dtype, frozen, param indices) per bucket, in order of first use."""
+def _group_buckets(trace, persistent, frozen, stacked
+                   ) -> list[tuple[str, str, bool, int | None, list[int]]]:
+  """(owner module, dtype, frozen, loop op or None, param indices) per bucket, in order of
+  first use. Stacked parameters are bucketed per loop, apart from the others."""
   used = [p for p in trace.params if p.uses and p.index not in persistent]
   used.sort(key=lambda p: (p.uses[0].op, p.index))
-  groups: dict[tuple[str, str, bool], list[int]] = {}
+  groups: dict[tuple, list[int]] = {}
   for p in used:
-    groups.setdefault((p.owner, p.dtype.name, p.index in frozen), []).append(p.index)
+    key = (p.owner, p.dtype.name, p.index in frozen, stacked.get(p.index))
+    groups.setdefault(key, []).append(p.index)
   return [(*key, members) for key, members in groups.items()]
 
 
-def _make_segments(trace, bucket_of) -> tuple[ir.Segment, ...]:
-  """Cut the op list where a bucket not used by the current segment is needed."""
+def _make_segments(trace, bucket_of, loop_ops=frozenset()) -> tuple[ir.Segment, ...]:
+  """Cut the op list where a bucket not used by the current segment is needed; a loop op
+  (a scan with stacked parameters) is a segment of its own."""
   buckets_at: dict[int, set[int]] = {}
   for p in trace.params:
     if p.index in bucket_of:
       for u in p.uses:
         buckets_at.setdefault(u.op, set()).add(bucket_of[p.index])
-  cuts, current, last_op, first_ops = [], set(), None, []
+  cuts = []  # (end, bucket ids, first op that uses a bucket)
+  current, last_op, first = set(), None, None
   for op in sorted(buckets_at):
+    if op in loop_ops:
+      end = cuts[-1][0] if cuts else 0
+      if current or end < op:
+        cuts.append((op, sorted(current), first))
+      cuts.append((op + 1, sorted(buckets_at[op]), op))
+      current = set()
+      continue
     if current and not buckets_at[op] <= current:
-      cuts.append((last_op + 1, sorted(current)))
+      cuts.append((last_op + 1, sorted(current), first))
       current = set()
     if not current:
-      first_ops.append(op)
+      first = op
     current |= buckets_at[op]
     last_op = op
-  cuts.append((len(trace.ops), sorted(current)))
+  if current or not cuts or cuts[-1][0] < len(trace.ops):
+    cuts.append((len(trace.ops), sorted(current), first if current else None))
   segments, start = [], 0
-  for i, (end, bucket_ids) in enumerate(cuts):
-    label = trace.ops[first_ops[i]].module if i < len(first_ops) else ""
+  for i, (end, bucket_ids, first_op) in enumerate(cuts):
+    label = trace.ops[first_op].module if first_op is not None else ""
     if not label and bucket_ids:  # no name stack (e.g. NNX): name the owner module instead
       label = trace.params[_first_member(bucket_ids[0], bucket_of)].owner
     segments.append(ir.Segment(id=i, start=start, end=end, buckets=tuple(bucket_ids),
@@ -161,12 +189,17 @@ def _make_segments(trace, bucket_of) -> tuple[ir.Segment, ...]:
   return tuple(segments)
 
 
-def _with_backward_buckets(segments, trace, bucket_of, trained) -> tuple[ir.Segment, ...]:
-  """Fill each segment's backward_buckets: the buckets its vjp reads (see segments.py)."""
+def _with_backward_buckets(segments, trace, bucket_of, trained, loop_ops=frozenset()
+                           ) -> tuple[ir.Segment, ...]:
+  """Fill each segment's backward_buckets: the buckets its vjp reads (see segments.py). A
+  loop's backward recomputes each iteration, so it reads all its buckets."""
   program = trace.program
   a = seg_lib.analyze(program, segments, trained)
   out = []
   for k, (seg, io) in enumerate(zip(segments, a.ios)):
+    if seg.end - seg.start == 1 and seg.start in loop_ops:
+      out.append(dataclasses.replace(seg, backward_buckets=seg.buckets))
+      continue
     sharded = [j for j, v in enumerate(io.param_inputs) if a.chains[v][0] in bucket_of]
     needed = (seg_lib.backward_param_needs(io, program.avals, a.diff_params[k],
                                            a.diff_acts[k]) if sharded else set())
@@ -209,16 +242,27 @@ class _Interval:
 
 class _StepPlanner:
 
-  def __init__(self, segments, elements, buckets, config: ZeroConfig):
-    self.segments = segments
+  def __init__(self, segments, elements, buckets, config: ZeroConfig, lengths=None):
     self.k = len(segments)
     self.elements = elements
     self.buckets = buckets
     self.config = config
-    work = [sum(elements[b] for b in seg.buckets) for seg in segments]
+    self.full_segments = segments
+    # Stacked buckets live inside their loop step only; the rest is planned around them.
+    self.segments = tuple(dataclasses.replace(
+        seg, buckets=self._regular(seg.buckets), backward_buckets=self._regular(
+            seg.backward_buckets)) for seg in segments)
+    self.loop_need = [sum(elements[b] for b in seg.buckets if buckets[b].stacked)
+                      for seg in segments]  # one layer of every stacked bucket
+    lengths = lengths or {}
+    work = [sum(elements[b] * (lengths.get(b, 1)) for b in seg.buckets) for seg in segments]
     self.work_prefix = [0]
     for w in work:
       self.work_prefix.append(self.work_prefix[-1] + w)
+    self.lengths = lengths
+
+  def _regular(self, bucket_ids) -> tuple[int, ...]:
+    return tuple(b for b in bucket_ids if not self.buckets[b].stacked)
 
   def plan(self) -> tuple[tuple[ir.Step, ...], tuple[ir.Step, ...]]:
     self._check_segments_fit()
@@ -229,12 +273,12 @@ class _StepPlanner:
            for i in instances]
     bwd = [_Interval(i.bucket, k - 1 - i.backward_uses[-1], k - 1 - i.backward_uses[0],
                      live_at_start=i.keep_turn) for i in instances if i.backward_uses]
-    self._place_gathers(fwd)
-    self._place_gathers(bwd)
+    fwd_live = self._place_gathers(fwd, self.loop_need)
+    bwd_live = self._place_gathers(bwd, self.loop_need[::-1])
     scatter_at = [(k - 1 - i.start, i.bucket) for i in instances
                   if ir.has_gradient(self.buckets[i.bucket])]
-    forward = self._emit(fwd, "forward", scatter_at=[])
-    backward = self._emit(bwd, "backward", scatter_at=scatter_at)
+    forward = self._emit(fwd, "forward", scatter_at=[], live=fwd_live)
+    backward = self._emit(bwd, "backward", scatter_at=scatter_at, live=bwd_live)
     return forward, backward
 
   def _distance(self, i: int, j: int) -> int:
@@ -243,7 +287,7 @@ class _StepPlanner:
 
   def _check_segments_fit(self):
     cap = self.config.max_live_parameters
-    for seg in self.segments:
+    for seg in self.full_segments:
       need = sum(self.elements[b] for b in seg.buckets)
       if need > cap:
         names = "; ".join(f"bucket {b} ({self.buckets[b].module}: {self.elements[b]} elements)"
@@ -289,7 +333,7 @@ class _StepPlanner:
       while True:
         live = [i for i in instances
                 if i.start <= t <= (self.k - 1 if i.keep_turn else i.end)]
-        if sum(self.elements[i.bucket] for i in live) <= cap:
+        if sum(self.elements[i.bucket] for i in live) + self.loop_need[t] <= cap:
           break
         idle = [i for i in live if t not in i.uses]
         victim = max(idle, key=lambda i: self._next_use(i, t))
@@ -310,13 +354,14 @@ class _StepPlanner:
     inst.keep_turn = False
     instances.insert(instances.index(inst) + 1, tail)
 
-  def _place_gathers(self, intervals: list[_Interval]):
-    """Gather at need, or earlier (prefetch) as DeepSpeed's lookahead window allows.
+  def _place_gathers(self, intervals: list[_Interval], loop_need) -> list[int]:
+    """Gather at need, or earlier (prefetch) as DeepSpeed's lookahead window allows; returns
+    the live elements at each time, loops' one layer included.
 
     A gather needed at time g is issued at t < g when the elements of every gather needed in
     (t, g] fit in `prefetch_bucket_size`, and live elements stay within the cap.
     """
-    live = [0] * self.k
+    live = list(loop_need)
     needed_at = [0] * self.k  # elements of gathers needed at each time
     for iv in intervals:
       for t in range(0 if iv.live_at_start else iv.need, iv.end + 1):
@@ -337,17 +382,35 @@ class _StepPlanner:
           break
         live[t] += size
         iv.gather_at = t
+    return live
 
-  def _emit(self, intervals, phase, scatter_at) -> tuple[ir.Step, ...]:
-    """Steps in time order: gathers, the compute, reduce-scatters, releases."""
+  def _emit(self, intervals, phase, scatter_at, live) -> tuple[ir.Step, ...]:
+    """Steps in time order: gathers, the compute (or loop), reduce-scatters, releases."""
     steps = []
     for t in range(self.k):
       starting = sorted((iv for iv in intervals if iv.gather_at == t),
                         key=lambda iv: (iv.need > t, iv.need, iv.bucket))
       steps += [ir.Step("gather", bucket=iv.bucket, prefetch=iv.need > t) for iv in starting]
-      steps.append(ir.Step("compute", segment=t if phase == "forward" else self.k - 1 - t))
+      steps.append(self._compute_step(t if phase == "forward" else self.k - 1 - t, phase,
+                                      live[t]))
       steps += [ir.Step("reduce_scatter", bucket=b) for when, b in sorted(scatter_at)
                 if when == t]
       ending = sorted(iv.bucket for iv in intervals if iv.end == t and not iv.kept)
       steps += [ir.Step("release", bucket=b) for b in ending]
     return tuple(steps)
+
+  def _compute_step(self, k: int, phase: str, live: int) -> ir.Step:
+    """compute k, or for a loop segment the loop step with its per-iteration body."""
+    stacked = [b for b in self.full_segments[k].buckets if self.buckets[b].stacked]
+    if not stacked:
+      return ir.Step("compute", segment=k)
+    need = self.loop_need[k]
+    prefetch = (self.lengths[stacked[0]] > 1 and need <= self.config.prefetch_bucket_size
+                and live + need <= self.config.max_live_parameters)
+    body = [ir.Step("gather", bucket=b, prefetch=prefetch) for b in stacked]
+    body.append(ir.Step("compute", segment=k))
+    if phase == "backward":
+      body += [ir.Step("reduce_scatter", bucket=b) for b in stacked
+               if ir.has_gradient(self.buckets[b])]
+    body += [ir.Step("release", bucket=b) for b in stacked]
+    return ir.Step(ir.LOOP_OP, segment=k, length=self.lengths[stacked[0]], body=tuple(body))

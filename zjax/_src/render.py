@@ -22,8 +22,25 @@ def render_schedule(s, sim) -> str:
   for phase, steps, live in (("fwd", s.forward, sim.forward_live),
                              ("bwd", s.backward, sim.backward_live)):
     for i, (step, live_after) in enumerate(zip(steps, live)):
-      rows.append(_step_row(s, sim, phase, i, step, live_after))
+      if step.op == ir.LOOP_OP:
+        rows += _loop_rows(s, sim, phase, i, step, live_after)
+      else:
+        rows.append(_step_row(s, sim, phase, i, step, live_after))
   return head + "\n" + _table(rows)
+
+
+def _loop_rows(s, sim, phase, i, step, live_after):
+  """A loop step, then its body indented: these steps run once per iteration; a prefetched
+  gather fetches the next iteration's layer (the first one before the loop)."""
+  seg = s.segments[step.segment]
+  rows = [(str(i), phase, f"loop x{step.length}", "",
+           f"segment {seg.id} ops [{seg.start},{seg.end}) {seg.label}, per iteration:".rstrip(),
+           "", format_bytes(live_after))]
+  for j, inner in enumerate(step.body):
+    row = _step_row(s, sim, phase, j, inner, None)
+    rows.append((f"{i}.{j}", phase, "  " + row[2].replace("prefetch", "next layer"),
+                 *row[3:6], ""))
+  return rows
 
 
 def _step_row(s, sim, phase, i, step, live_after):
@@ -31,14 +48,15 @@ def _step_row(s, sim, phase, i, step, live_after):
     seg = s.segments[step.segment]
     what = f"segment {seg.id} ops [{seg.start},{seg.end}) {seg.label}".rstrip()
     return (str(i), phase, "compute" if phase == "fwd" else "compute_vjp", "", what, "",
-            format_bytes(live_after))
+            format_bytes(live_after) if live_after is not None else "")
   bucket = s.buckets[step.bucket]
   names = ",".join(leaf_name(p) for p in bucket.params)
   op = step.op
   if step.op == "gather":
     op = ("re-gather" if phase == "bwd" else "gather") + (" (prefetch)" if step.prefetch else "")
   return (str(i), phase, op, str(step.bucket), f"{bucket.module or '<root>'} [{names}]",
-          format_bytes(sim.bucket_bytes[step.bucket]), format_bytes(live_after))
+          format_bytes(sim.bucket_bytes[step.bucket]),
+          format_bytes(live_after) if live_after is not None else "")
 
 
 def render_param_table(trace, s) -> str:
@@ -47,7 +65,8 @@ def render_param_table(trace, s) -> str:
   entries = {p.path: p for p in s.params}
   for p in trace.params:
     entry = entries[p.path]
-    layout = "replicated" if entry.persistent else f"sharded 1/{s.num_devices}"
+    layout = "replicated" if entry.persistent else f"sharded 1/{s.num_devices}" + (
+        " per layer" if entry.stacked else "")
     uses = "; ".join(f"op {u.op} {u.primitive}" + (f" in {u.context}" if u.context else "")
                      for u in p.uses) or "-"
     notes = _notes(p) + ("; frozen" if entry.frozen else "")

@@ -9,11 +9,13 @@ def make_report(s, sim) -> dict:
   """JSON-serialisable predictions for schedule `s` with simulation `sim`.
 
   Bytes of a collective are those of its full (gathered / pre-reduction) buffer, padding
-  included. A collective inside a loop counts once per iteration (v1 schedules have none).
+  included. A collective inside a loop counts once per iteration; `loops` lists each loop's
+  per-iteration collectives (what the compiled program's while body holds).
   """
   bucket_bytes, grad_bytes = list(sim.bucket_bytes), list(sim.bucket_grad_bytes)
-  gathers = [st for st in s.forward + s.backward if st.op == "gather"]
-  scatters = [st for st in s.backward if st.op == "reduce_scatter"]
+  forward, backward = executed_steps(s.forward), executed_steps(s.backward)
+  gathers = [st for st in forward + backward if st.op == "gather"]
+  scatters = [st for st in backward if st.op == "reduce_scatter"]
   persistent = [p for p in s.params if p.persistent]
   return {
       "num_devices": s.num_devices,
@@ -25,8 +27,8 @@ def make_report(s, sim) -> dict:
       "param_elements": sum(p.size for p in s.params),
       "all_gather_count": len(gathers),
       "all_gather_bytes": sum(bucket_bytes[st.bucket] for st in gathers),
-      "forward_all_gather_count": sum(st.op == "gather" for st in s.forward),
-      "backward_all_gather_count": sum(st.op == "gather" for st in s.backward),
+      "forward_all_gather_count": sum(st.op == "gather" for st in forward),
+      "backward_all_gather_count": sum(st.op == "gather" for st in backward),
       "prefetch_count": sum(st.prefetch for st in gathers),
       "reduce_scatter_count": len(scatters),
       "reduce_scatter_bytes": sum(grad_bytes[st.bucket] for st in scatters),
@@ -36,7 +38,29 @@ def make_report(s, sim) -> dict:
       "peak_live_param_bytes": max(sim.forward_live + sim.backward_live, default=0),
       "peak_live_grad_bytes": max(sim.backward_grad_live, default=0),
       "state_bytes_per_device": state_bytes_per_device(s),
+      "loops": [_loop_report(phase, st, bucket_bytes, grad_bytes)
+                for phase, steps in (("forward", s.forward), ("backward", s.backward))
+                for st in steps if st.op == ir.LOOP_OP],
   }
+
+
+def executed_steps(steps) -> list:
+  """The steps as executed: a loop's body repeated once per iteration."""
+  out = []
+  for st in steps:
+    out += list(st.body) * st.length if st.op == ir.LOOP_OP else [st]
+  return out
+
+
+def _loop_report(phase, step, bucket_bytes, grad_bytes) -> dict:
+  gathers = [st.bucket for st in step.body if st.op == "gather"]
+  scatters = [st.bucket for st in step.body if st.op == "reduce_scatter"]
+  return {"phase": phase, "segment": step.segment, "length": step.length,
+          "prefetch": any(st.prefetch for st in step.body),
+          "all_gather_count_per_iteration": len(gathers),
+          "all_gather_bytes_per_iteration": sum(bucket_bytes[b] for b in gathers),
+          "reduce_scatter_count_per_iteration": len(scatters),
+          "reduce_scatter_bytes_per_iteration": sum(grad_bytes[b] for b in scatters)}
 
 
 def state_bytes_per_device(s) -> int:
@@ -46,6 +70,5 @@ def state_bytes_per_device(s) -> int:
   Optimizer state is added by the trainer."""
   total = 0
   for p in s.params:
-    elements = p.size if p.persistent else ir.padded_size(p.size, s.num_devices) // s.num_devices
-    total += elements * jnp.dtype(p.dtype).itemsize
+    total += ir.local_elements(p, s.num_devices) * jnp.dtype(p.dtype).itemsize
   return total

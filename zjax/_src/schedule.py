@@ -215,9 +215,9 @@ def _parse(data) -> dict:
   _expect(data.get("format") == ir.FORMAT_NAME,
           f"'format' must be {ir.FORMAT_NAME!r}, got {data.get('format')!r}")
   version = data.get("version")
-  _expect(version == ir.FORMAT_VERSION,
-          f"'version' is {version!r}, but this zjax reads version {ir.FORMAT_VERSION}; "
-          f"regenerate the schedule with this zjax")
+  _expect(version in ir.READABLE_VERSIONS,
+          f"'version' is {version!r}, but this zjax reads versions "
+          f"{list(ir.READABLE_VERSIONS)}; regenerate the schedule with this zjax")
   program = _field(data, "program", dict, "top level")
   try:
     config = ZeroConfig.from_dict(_field(data, "config", dict, "top level"))
@@ -245,7 +245,8 @@ def _parse_param(p, i) -> ir.ParamEntry:
       path=_field(p, "path", str, where), shape=tuple(_int_list(p, "shape", where)),
       dtype=_field(p, "dtype", str, where), persistent=_field(p, "persistent", bool, where),
       bucket=_field(p, "bucket", (int, type(None)), where),
-      uses=tuple(_int_list(p, "uses", where)), frozen=_field(p, "frozen", bool, where))
+      uses=tuple(_int_list(p, "uses", where)), frozen=_field(p, "frozen", bool, where),
+      stacked=_optional(p, "stacked", bool, where, False))
 
 
 def _parse_bucket(b, i) -> ir.Bucket:
@@ -255,7 +256,8 @@ def _parse_bucket(b, i) -> ir.Bucket:
   _expect(all(isinstance(x, str) for x in paths), f"{where}.params must be a list of paths")
   return ir.Bucket(id=_field(b, "id", int, where), module=_field(b, "module", str, where),
                    dtype=_field(b, "dtype", str, where), params=tuple(paths),
-                   frozen=_field(b, "frozen", bool, where))
+                   frozen=_field(b, "frozen", bool, where),
+                   stacked=_optional(b, "stacked", bool, where, False))
 
 
 def _parse_segment(s, i) -> ir.Segment:
@@ -268,10 +270,17 @@ def _parse_segment(s, i) -> ir.Segment:
                     label=_field(s, "label", str, where))
 
 
-def _parse_step(s, i, phase) -> ir.Step:
+def _parse_step(s, i, phase, in_loop=False) -> ir.Step:
   where = f"{phase} step {i}"
   _expect(isinstance(s, dict), f"{where} must be an object")
   op = _field(s, "op", str, where)
+  if op == ir.LOOP_OP and not in_loop:
+    body = _field(s, "body", list, where)
+    return ir.Step(ir.LOOP_OP, segment=_field(s, "segment", int, where),
+                   length=_field(s, "length", int, where),
+                   body=tuple(_parse_step(b, j, f"{where} body", True)
+                              for j, b in enumerate(body)))
+  _expect(op != ir.LOOP_OP, f"{where}: loops do not nest (a loop step inside a loop body)")
   if op == "compute":
     return ir.Step("compute", segment=_field(s, "segment", int, where))
   prefetch = _field(s, "prefetch", bool, where) if op == "gather" else False
@@ -290,6 +299,11 @@ def _field(obj, key, types, where):
   ok = isinstance(value, types) and not bool_as_int
   _expect(ok, f"{where}: field {key!r} has the wrong type ({type(value).__name__}: {value!r})")
   return value
+
+
+def _optional(obj, key, types, where, default):
+  """A field that older format versions lack."""
+  return _field(obj, key, types, where) if key in obj else default
 
 
 def _int_list(obj, key, where) -> list[int]:

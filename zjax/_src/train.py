@@ -228,7 +228,7 @@ def _laid_out(leaf, entry, schedule, mesh):
   with the random-number temporaries at several times its size; sharding its rows first
   (unevenly; only Auto axes allow that) keeps generation at 1/N and costs one gather."""
   n = schedule.num_devices
-  if n > 1 and entry.shape and (entry.size % n or entry.shape[0] % n):
+  if n > 1 and entry.shape and not entry.stacked and (entry.size % n or entry.shape[0] % n):
     auto = jax.sharding.Mesh(mesh.devices, mesh.axis_names,
                              axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
     for spec in (P(schedule.config.axis_name), P()):
@@ -262,7 +262,7 @@ def plan_sub_groups(schedule) -> list[list[int]]:
   for i, p in enumerate(schedule.params):
     if not ir.has_gradient(p):
       continue
-    local = p.size if p.persistent else ir.padded_size(p.size, n) // n
+    local = ir.local_elements(p, n)
     if current and size + local > limit:
       groups.append(current)
       current, size = [], 0

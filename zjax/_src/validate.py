@@ -48,6 +48,10 @@ def _check_params(s):
     if p.persistent and p.bucket is not None:
       raise ScheduleError(f"Parameter {p.path} is persistent (replicated) but also placed in "
                           f"bucket {p.bucket}; persistent parameters are never gathered.")
+    if p.stacked and (p.persistent or len(set(p.uses)) != 1 or len(p.shape) < 1):
+      raise ScheduleError(f"Parameter {p.path} is stacked, which needs a sharded parameter "
+                          f"with a layer axis used by one loop op; it is persistent="
+                          f"{p.persistent}, shape {list(p.shape)}, uses {list(p.uses)}.")
     if not p.persistent and p.uses and p.bucket is None:
       raise ScheduleError(f"Parameter {p.path} is sharded and used but belongs to no bucket: "
                           f"it would never be gathered. Add it to a bucket of its dtype.")
@@ -71,6 +75,10 @@ def _check_buckets(s):
       if p.dtype != b.dtype:
         raise ScheduleError(f"Bucket {i} has dtype {b.dtype} but holds {path} of dtype "
                             f"{p.dtype}; a bucket holds one dtype.")
+      if p.stacked != b.stacked:
+        raise ScheduleError(f"Bucket {i} is {'' if b.stacked else 'not '}stacked but holds "
+                            f"{path}, which is {'' if p.stacked else 'not '}stacked; a bucket "
+                            f"never mixes per-layer and whole gathers.")
       if p.frozen != b.frozen:
         raise ScheduleError(f"Bucket {i} is {'' if b.frozen else 'not '}frozen but holds "
                             f"{path}, which is {'' if p.frozen else 'not '}frozen; a bucket "
@@ -136,6 +144,7 @@ class _Simulator:
     self.grad_bytes = [n * ir.reduce_dtype(b.dtype, s.config).itemsize
                        for n, b in zip(self.elements, s.buckets)]
     self.cap = s.config.max_live_parameters
+    self.in_loop = False
 
   def run(self) -> Simulation:
     forward_live = self._run_phase("forward", self.s.forward, range(len(self.s.segments)))
@@ -151,9 +160,18 @@ class _Simulator:
     live_after = []
     for i, step in enumerate(steps):
       where = f"{phase} step {i}"
+      if step.op == ir.LOOP_OP:
+        live_after.append(self._loop(step, phase, where, expected))
+        if grad_live is not None:
+          grad_live.append(sum(self.grad_bytes[b] for b in self.pending_grad))
+        continue
       self._check_step_fields(step, phase, where)
       if step.op == "compute":
         self._compute(step, phase, where, expected)
+      elif self.s.buckets[step.bucket].stacked and not self.in_loop:
+        raise ScheduleError(f"{where}: {step.op} of {describe_bucket(self.s, step.bucket)}, "
+                            f"which is stacked: it is gathered one layer at a time inside "
+                            f"its loop step's body only.")
       else:
         getattr(self, "_" + step.op)(step.bucket, phase, where)
       live_after.append(sum(self.bytes[b] for b in self.live))
@@ -163,6 +181,57 @@ class _Simulator:
       raise ScheduleError(f"The {phase} steps never compute segment(s) {expected}; each "
                           f"segment must be computed once, in order.")
     return live_after
+
+  def _loop(self, step, phase, where, expected) -> int:
+    """Simulate a loop step: its body once (every iteration does the same); returns the
+    peak live bytes inside, a prefetched layer included."""
+    k = step.segment
+    if not isinstance(k, int) or not 0 <= k < len(self.s.segments):
+      raise ScheduleError(f"{where}: loop names segment {k!r}; segments are "
+                          f"0..{len(self.s.segments) - 1}.")
+    seg = self.s.segments[k]
+    stacked = [b for b in seg.buckets if self.s.buckets[b].stacked]
+    if not stacked:
+      raise ScheduleError(f"{where}: loop over segment {k}, which has no stacked bucket; a "
+                          f"segment without one is a plain compute step.")
+    lengths = {self.s.param(p).shape[0] for b in stacked for p in self.s.buckets[b].params}
+    if lengths != {step.length}:
+      raise ScheduleError(f"{where}: loop length {step.length}, but the stacked parameters "
+                          f"of segment {k} have {sorted(lengths)} layers.")
+    expected_body = self._loop_body_ops(stacked, k, phase)
+    found = [(st.op, st.segment if st.op == "compute" else st.bucket) for st in step.body]
+    if found != expected_body:
+      raise ScheduleError(f"{where}: the loop body is {found}; it must be {expected_body}: "
+                          f"gather each stacked bucket, compute, "
+                          f"{'reduce-scatter, ' if phase == 'backward' else ''}release.")
+    prefetch = {st.prefetch for st in step.body if st.op == "gather"}
+    if len(prefetch) != 1:
+      raise ScheduleError(f"{where}: the body's gathers must all prefetch or none.")
+    self.in_loop = True
+    peak, peak_elements = 0, 0
+    for j, st in enumerate(step.body):
+      inner = f"{where} body step {j}"
+      if st.op == "compute":
+        self._compute(st, phase, inner, expected)
+      else:
+        getattr(self, "_" + st.op)(st.bucket, phase, inner)
+      peak = max(peak, sum(self.bytes[b] for b in self.live))
+      peak_elements = max(peak_elements, sum(self.elements[b] for b in self.live))
+    self.in_loop = False
+    if prefetch == {True}:  # the next layer arrives while this one is in use
+      peak += sum(self.bytes[b] for b in stacked)
+      peak_elements += sum(self.elements[b] for b in stacked)
+      if peak_elements > self.cap:
+        raise ScheduleError(f"{where}: prefetching the next layer makes {peak_elements} "
+                            f"parameter elements live, above max_live_parameters={self.cap}. "
+                            f"Set the body's gathers to prefetch: false or raise the cap.")
+    return peak
+
+  def _loop_body_ops(self, stacked, k, phase) -> list[tuple[str, int]]:
+    ops = [("gather", b) for b in stacked] + [("compute", k)]
+    if phase == "backward":
+      ops += [("reduce_scatter", b) for b in stacked if ir.has_gradient(self.s.buckets[b])]
+    return ops + [("release", b) for b in stacked]
 
   def _check_step_fields(self, step, phase, where):
     allowed = ir.FORWARD_OPS if phase == "forward" else ir.BACKWARD_OPS
@@ -250,5 +319,5 @@ class _Simulator:
 def bucket_elements(s) -> list[int]:
   """Gathered (padded) elements of each bucket."""
   by_path = {p.path: p for p in s.params}
-  return [sum(ir.padded_size(by_path[p].size, s.num_devices) for p in b.params)
+  return [sum(ir.gathered_elements(by_path[p], s.num_devices) for p in b.params)
           for b in s.buckets]

@@ -1,0 +1,24 @@
+"""The schedule's two collectives as one device runs them inside shard_map: a bucket's
+coalesced all-gather and its gradient's reduce-scatter (see layout.py for the packing)."""
+
+import jax.numpy as jnp
+from jax import lax
+
+from zjax._src import layout
+
+
+def all_gather_bucket(chunks, entries, num_devices: int, axis: str) -> list:
+  """Each member's local chunk (in the compute dtype) -> its whole natural-shape value.
+  `entries` describe what one gather makes whole (a layer entry for stacked members)."""
+  local = jnp.concatenate(chunks) if len(chunks) > 1 else chunks[0]
+  wire = lax.all_gather(layout.to_wire(local), axis, tiled=False)
+  full = layout.from_wire(wire, local.dtype, local.shape[0])
+  return layout.unpack_gathered(full, entries, num_devices)
+
+
+def reduce_scatter_bucket(grads, entries, num_devices: int, axis: str) -> list:
+  """Each member's whole gradient (natural shape) -> this device's chunk of the gradient
+  averaged over devices."""
+  packed = layout.pack_for_scatter(grads, entries, num_devices)
+  mine = lax.psum_scatter(packed, axis, scatter_dimension=0, tiled=False)
+  return layout.split_chunks(mine / num_devices, entries, num_devices)

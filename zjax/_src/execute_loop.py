@@ -1,0 +1,219 @@
+"""Running a loop step: a scan over layers whose stacked parameters are gathered one layer
+per iteration (plan.py decides which; ir.py describes the loop step).
+
+Forward is a `lax.scan` whose body all-gathers the current layer's slice of every stacked
+bucket (or, with prefetch, the *next* layer's, carried into the next iteration; the first
+layer is gathered before the loop and the last iteration is peeled off so that exactly L
+gathers run), runs the original scan body, and saves only the iteration's input carry.
+Gathered weights are never saved: backward is a reverse `lax.scan` that re-gathers each
+layer (prefetching the previous one), recomputes the iteration from its saved carry under
+`jax.vjp`, and reduce-scatters the layer's weight gradient into its row of the stacked
+shard. Memory therefore grows with depth only by the saved carries (the activations at
+layer boundaries), and the compiled program has one while loop per direction whose body
+holds the per-iteration collectives.
+
+This is the custom-vjp recipe of DESIGN.md written out by hand: the executor already owns
+the backward pass, so it runs the per-iteration vjp itself. Ordering barriers tie each
+gather to the iteration's carry (forward) or cotangent (backward), and the saved residual
+is the pre-barrier carry (a barrier output would make the scan stack a copy of it).
+"""
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+from jax import lax
+
+from zjax._src import collectives, ir, layout
+from zjax._src import segments as seg_lib
+
+
+class Loop:
+  """One loop segment: its scan equation and how each of its inputs is provided."""
+
+  def __init__(self, dp, segment: int, op, forward_step, backward_step):
+    self.dp, self.segment, self.op = dp, segment, op
+    eqn = op.eqn
+    self.body_jaxpr = eqn.params["jaxpr"]
+    self.length, self.reverse = eqn.params["length"], eqn.params["reverse"]
+    self.num_consts, self.num_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    self.first_xs = self.num_consts + self.num_carry
+    self.buckets = [st.bucket for st in forward_step.body if st.op == "gather"]
+    self.prefetch = {"forward": _prefetches(forward_step), "backward": _prefetches(backward_step)}
+    self.scattered = {st.bucket for st in backward_step.body if st.op == "reduce_scatter"}
+    stacked = {i for b in self.buckets for i in dp.members[b]}
+    self.stacked_inputs = {}  # input position -> (param index, shape-keeping layout ops)
+    for j, a in enumerate(op.inputs):
+      if isinstance(a, int) and a in dp.chains and dp.chains[a][0] in stacked:
+        self.stacked_inputs[j] = dp.chains[a]
+    self.trained = [i for b in self.buckets if b in self.scattered for i in dp.members[b]]
+
+  # ---- one iteration -------------------------------------------------------------------
+  def body(self, layers: dict, inputs: list):
+    """The scan body on one iteration's values; `layers`: param index -> gathered layer
+    slice, standing in for the stacked xs slices. -> (carry out, ys)."""
+    args = list(inputs)
+    for j, (param, chain) in self.stacked_inputs.items():
+      args[j] = seg_lib.apply_chain(chain, layers[param])
+    outs = jex.jaxpr_as_fun(self.body_jaxpr)(*args)
+    return list(outs[:self.num_carry]), list(outs[self.num_carry:])
+
+  def gather_layer(self, shard_rows: dict, tie) -> dict:
+    """param index -> its layer slice, from this device's rows of the stacked shards."""
+    shard_rows, _ = lax.optimization_barrier((shard_rows, tie))
+    out = {}
+    for b in self.buckets:
+      members = self.dp.members[b]
+      entries = [layout.layer_entry(self.dp.s.params[i]) for i in members]
+      values = collectives.all_gather_bucket([shard_rows[i] for i in members], entries,
+                                             self.dp.n, self.dp.axis)
+      out.update(zip(members, values))
+    return out
+
+  def scatter_layer(self, layer_grads: dict) -> dict:
+    """param index -> this device's chunk of the layer's gradient (mean over devices)."""
+    out = {}
+    for b in self.buckets:
+      if b not in self.scattered:
+        continue
+      members = self.dp.members[b]
+      entries = [layout.layer_entry(self.dp.s.params[i]) for i in members]
+      grads = [layer_grads[i].astype(self.dp.reduce_dtype(i)) for i in members]
+      out.update(zip(members, collectives.reduce_scatter_bucket(grads, entries, self.dp.n,
+                                                                self.dp.axis)))
+    return out
+
+  # ---- forward ---------------------------------------------------------------------------
+  def forward(self, shards: dict, inputs: list, anchor):
+    """-> (op outputs, residuals). `shards`: param index -> local stacked shard [L, c] in
+    the compute dtype; `inputs`: the op's input values (stacked positions ignored)."""
+    consts, carry, xs = self._split(inputs)
+    length, tie = self.length, anchor if anchor is not None else carry
+    ys_avals = [self.dp.program.avals[o] for o in self.op.outputs[self.num_carry:]]
+    ys = [jnp.zeros(a.shape, a.dtype) for a in ys_avals]
+    saved = [jnp.zeros((length,) + jnp.shape(c), jnp.result_type(c)) for c in carry]
+
+    def iteration(i, layers, carry, saved, ys):
+      new_carry, y = self.body(layers, consts + carry + _read(xs, self.layer(i)))
+      return new_carry, _write(saved, i, carry), _write(ys, self.layer(i), y)
+
+    if self.prefetch["forward"]:
+      first = self.gather_layer(_read(shards, self.layer(0)), tie)
+
+      def step(state, i):
+        carry, layers, saved, ys = state
+        upcoming = self.gather_layer(_read(shards, self.layer(i + 1)), carry)
+        carry, saved, ys = iteration(i, layers, carry, saved, ys)
+        return (carry, upcoming, saved, ys), None
+
+      (carry, last, saved, ys), _ = lax.scan(step, (carry, first, saved, ys),
+                                             jnp.arange(length - 1))
+      carry, saved, ys = iteration(length - 1, last, carry, saved, ys)
+    else:
+      def step(state, i):
+        carry, saved, ys = state
+        layers = self.gather_layer(_read(shards, self.layer(i)), carry)
+        return iteration(i, layers, carry, saved, ys), None
+
+      (carry, saved, ys), _ = lax.scan(step, (carry, saved, ys), jnp.arange(length))
+    return carry + ys, (consts, saved, xs)
+
+  # ---- backward --------------------------------------------------------------------------
+  def backward(self, shards: dict, residuals, ct_outs: list, anchor):
+    """-> (cotangents of the op's inputs (None where not differentiated), param index ->
+    local gradient chunks [L, c] of the trained stacked parameters). `ct_outs`: one per op
+    output, None for non-float outputs."""
+    consts, saved, xs = residuals
+    length = self.length
+    ct_carry, ct_ys = ct_outs[:self.num_carry], ct_outs[self.num_carry:]
+    tie = anchor if anchor is not None else ct_carry
+    ct_consts = [jnp.zeros_like(c) if _is_float(c) else None for c in consts]
+    ct_xs = [jnp.zeros_like(x) if _is_float(x) else None for x in xs]
+    grads = {i: jnp.zeros(shards[i].shape, self.dp.reduce_dtype(i)) for i in self.trained}
+
+    def iteration(i, layers, ct_carry, ct_consts, ct_xs, grads):
+      layer = self.layer(i)
+      carry, x, ct_y = _read(saved, i), _read(xs, layer), _read(ct_ys, layer)
+      diff = ({j: layers[j] for j in self.trained}, _floats(consts), _floats(carry),
+              _floats(x))
+
+      def f(layer_d, consts_d, carry_d, x_d):
+        new_carry, y = self.body({**layers, **layer_d}, _merge(consts, consts_d) +
+                                 _merge(carry, carry_d) + _merge(x, x_d))
+        return _floats(new_carry), _floats(y)
+
+      _, vjp_fn = jax.vjp(f, *diff)
+      ct_layer, ct_c, ct_carry_in, ct_x = vjp_fn((_floats(ct_carry), _floats(ct_y)))
+      ct_consts = [a if a is None else a + b
+                   for a, b in zip(ct_consts, _merge_none(consts, ct_c))]
+      ct_xs = _write(ct_xs, layer, _merge_none(x, ct_x))
+      grads = _write(grads, layer, self.scatter_layer(ct_layer))
+      return _merge_none(carry, ct_carry_in), ct_consts, ct_xs, grads
+
+    state = (ct_carry, ct_consts, ct_xs, grads)
+    if self.prefetch["backward"]:
+      def step(carried, i):
+        layers, state = carried
+        upcoming = self.gather_layer(_read(shards, self.layer(i - 1)), state[0])
+        return (upcoming, iteration(i, layers, *state)), None
+
+      last = self.gather_layer(_read(shards, self.layer(length - 1)), tie)
+      (first, state), _ = lax.scan(step, (last, state), jnp.arange(1, length), reverse=True)
+      state = iteration(0, first, *state)
+    else:
+      def step(state, i):
+        layers = self.gather_layer(_read(shards, self.layer(i)), state[0])
+        return iteration(i, layers, *state), None
+
+      state, _ = lax.scan(step, state, jnp.arange(length), reverse=True)
+    ct_carry, ct_consts, ct_xs, grads = state
+    ct_inputs = list(ct_consts) + list(ct_carry) + list(ct_xs)
+    return self._restore_positions(ct_inputs), grads
+
+  # ---- helpers ---------------------------------------------------------------------------
+  def _split(self, inputs):
+    """(consts, carry, non-stacked xs) lists; stacked positions become None in xs."""
+    values = [None if j in self.stacked_inputs else v for j, v in enumerate(inputs)]
+    return (values[:self.num_consts], values[self.num_consts:self.first_xs],
+            values[self.first_xs:])
+
+  def _restore_positions(self, ct_inputs):
+    return [None if j in self.stacked_inputs else ct for j, ct in enumerate(ct_inputs)]
+
+  def layer(self, i):
+    """The layer iteration i visits (a reverse scan starts from the last)."""
+    return self.length - 1 - i if self.reverse else i
+
+
+def _prefetches(step) -> bool:
+  return any(st.prefetch for st in step.body if st.op == "gather")
+
+
+def _read(tree, index):
+  """Row `index` of every stacked array (no copy of the stack)."""
+  return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, index, 0, keepdims=False), tree)
+
+
+def _write(tree, index, rows):
+  """Every stacked array with row `index` replaced (in place inside XLA's loops)."""
+  return jax.tree.map(
+      lambda x, r: lax.dynamic_update_index_in_dim(x, r.astype(x.dtype), index, 0), tree, rows)
+
+
+def _is_float(x) -> bool:
+  return x is not None and ir.is_float(x.dtype)
+
+
+def _floats(values) -> list:
+  return [v for v in values if _is_float(v)]
+
+
+def _merge(values, float_values) -> list:
+  """`values` with its floating-point entries replaced, in order, by `float_values`."""
+  it = iter(float_values)
+  return [next(it) if _is_float(v) else v for v in values]
+
+
+def _merge_none(values, float_values) -> list:
+  """Cotangents aligned with `values`: float entries from `float_values`, others None."""
+  it = iter(float_values)
+  return [next(it) if _is_float(v) else None for v in values]
