@@ -67,8 +67,7 @@ def natural_state(state, trainer):
     index = layout.mirrored_param(jax.tree_util.keystr(path), x.shape, schedule)
     if index is None:
       return x
-    entry = schedule.params[index]
-    return x.reshape(-1)[:entry.size].reshape(entry.shape)
+    return np.asarray(layout.natural_from_storage(x, schedule.params[index]))
 
   params = jax.device_get(trainer.gather_params(state))
   return params, jax.tree_util.tree_map_with_path(natural, state.opt_state)
@@ -142,6 +141,61 @@ def test_restore_on_8_4_1_8_devices_and_other_schedules(tmp_path):
         trainer.schedule.report()["state_bytes_per_device"]
   # continued training on other device counts matches the uninterrupted 8-device run
   assert_trees_close(saved, ref_after[-1], rtol=1e-5, atol=1e-5)
+
+
+SCAN_CFG = GPTConfig(d_model=32, n_layer=3, n_head=2, d_ff=64, seq_len=16, scan_layers=True)
+
+
+def test_scanned_model_restores_on_8_4_1_8_devices(tmp_path):
+  """Stacked (per-layer) storage: 8 -> 4 re-pads each row, 4 -> 1 reads rows into
+  replicated natural leaves, 1 -> 8 lays natural leaves out per layer again."""
+  trainer = trainer_for(8, 100, cfg=SCAN_CFG)
+  assert any(p.stacked for p in trainer.schedule.params)
+  state = trainer.init_from(GPT(SCAN_CFG).init, jax.random.key(0),
+                            jnp.zeros((8, CFG.seq_len), jnp.int32))
+  for i, n in enumerate([4, 1, 8]):
+    state, _ = trainer.step(state, batch_of(i))
+    saved = natural_state(state, trainer)
+    with zjax.CheckpointManager(tmp_path / str(i), trainer) as ckpt:
+      ckpt.save(i + 1, state)
+    trainer = trainer_for(n, 100, cfg=SCAN_CFG)
+    state = zjax.CheckpointManager(tmp_path / str(i)).restore(trainer)
+    assert_bitwise(natural_state(state, trainer), saved)
+  exported = zjax.export_params(tmp_path / "2")
+  assert_bitwise(exported, jax.device_get(trainer.gather_params(state)))
+
+
+def test_restore_between_scanned_and_unrolled_use_of_the_same_params(tmp_path):
+  """The same params, used by a scan (stacked storage) or by an unrolled loop (flat
+  storage): a checkpoint of either restores into the other; and stacked rows re-padded
+  (15 x 15 = 225 elements per layer: 232 stored on 8 devices, 228 on 4)."""
+  params = {"w": jax.random.normal(jax.random.key(0), (3, 15, 15)) / 4}
+  batch = jax.random.normal(jax.random.key(1), (8, 15))
+
+  def scanned(p, x):
+    return jnp.mean(jax.lax.scan(lambda x, w: (jnp.tanh(x @ w), None), x, p["w"])[0] ** 2)
+
+  def unrolled(p, x):
+    for i in range(3):
+      x = jnp.tanh(x @ p["w"][i])
+    return jnp.mean(x ** 2)
+
+  def trainer(loss, n=8):
+    mesh = mesh_of(n)
+    schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh,
+                                     config=zjax.ZeroConfig(param_persistence_threshold=0))
+    return zjax.zero3(loss, OPTIMIZER, schedule, mesh=mesh)
+
+  first, second = trainer(scanned), trainer(unrolled)
+  assert first.schedule.param("['w']").stacked and not second.schedule.param("['w']").stacked
+  for i, (source, target) in enumerate([(first, second), (second, first),
+                                        (first, trainer(scanned, 4))]):
+    state, _ = source.step(source.init(params), batch)
+    with zjax.CheckpointManager(tmp_path / str(i), source) as ckpt:
+      ckpt.save(1, state)
+    restored = zjax.CheckpointManager(tmp_path / str(i)).restore(target)
+    assert_bitwise(natural_state(restored, target), natural_state(state, source))
+    target.step(restored, batch)  # and it trains on
 
 
 def test_export_params_equals_gather_params_and_loads_without_zjax(tmp_path):

@@ -4,14 +4,18 @@ On-disk format: one orbax step directory per step, with two items.
   state/  an orbax PyTree {"params": {"p00000": ...}, "opt": {"o00000": ...},
           "extra": {"e00000": ...}}. Every parameter, and every optimizer leaf that mirrors
           one (adam's mu and nu), is stored flat: a sharded leaf as its zero-padded layout
-          storage, a persistent one raveled. Each process writes only its own shards.
+          storage, a persistent one raveled; a stacked one (gathered per layer in a loop)
+          as its [layers, padded layer] storage. Each process writes only its own shards.
   zjax/   a JSON manifest: format, zjax version, the train step, the saving schedule (JSON),
           and for every stored array its tree path, natural shape, dtype, the parameter it
           mirrors and a checksum.
 Restoring reads each flat array truncated or zero-extended to the target layout's length
 (orbax does it shard by shard), so 8 -> 4 devices, or another bucket plan, is one online
-read. The checksum (a position-weighted uint32 sum of the value bits, computed on device)
-ignores zero padding, so it holds across layouts and catches silently corrupted data.
+read; stacked storage likewise per row. Where the layout kind differs (a stacked parameter
+restored where it is replicated, e.g. on 1 device, or the reverse) the leaf is read whole
+and converted on device. The checksum (a position-weighted uint32 sum of the value bits,
+in natural order, computed on device) ignores padding, so it holds across layouts and
+catches silently corrupted data.
 """
 
 import dataclasses
@@ -43,6 +47,7 @@ class _Leaf:
   stored: tuple  # shape as stored
   param: int | None  # index of the mirrored parameter, or None
   checksum: int = 0
+  row: int = 0  # stored per layer: the natural elements of each stored row (else 0)
 
 
 class CheckpointManager:
@@ -112,7 +117,8 @@ class CheckpointManager:
       raise CheckpointError(f"Step {step} already exists in {self.directory}; nothing was "
                             f"written. Save under a new step or delete that directory.")
     tree, leaves = _to_stored(state, trainer.schedule)
-    sums = _checksums(tree)
+    sums = _checksums(tree, _rows({part: [(leaf.key, leaf.row) for leaf in ls]
+                                   for part, ls in leaves.items()}))
     leaves = {part: [dataclasses.replace(leaf, checksum=sums[part][leaf.key]) for leaf in ls]
               for part, ls in leaves.items()}
     manifest = {
@@ -146,7 +152,7 @@ class CheckpointManager:
         _extra_template(saved["extra"]))
     items, plans = _restore_plan(saved, target, trainer.schedule, where)
     restored = self._read(step, items, manifest, where)
-    _verify_checksums(restored, saved, where)
+    _verify_checksums(restored, saved, plans, where)
     return _assemble(restored, plans, target, manifest["train_step"], trainer)
 
   def _read(self, step, items, manifest, where):
@@ -240,7 +246,8 @@ def export_params(directory, step: int | None = None, *, save_to=None):
     except Exception as e:
       raise CheckpointError(f"Cannot read parameter {d['path']} of {where} ({_first_line(e)}): "
                             f"the data files are missing, truncated or corrupted.") from None
-    value = np.ascontiguousarray(flat[:size]).reshape(d["shape"])
+    natural = flat[:, :d.get("row", 0)] if np.ndim(flat) == 2 else flat[:size]
+    value = np.ascontiguousarray(natural).reshape(d["shape"])
     if int(_checksum(value, np)) != d["checksum"]:
       raise CheckpointError(f"Parameter {d['path']} in {where} fails its checksum: the data "
                             f"was corrupted after it was written.")
@@ -284,8 +291,9 @@ def _add(tree, leaves, part, key, path, x, entry, index):
     x = _ravel(x)
   shape = tuple(entry.shape) if entry is not None else tuple(x.shape)
   dtype = jnp.dtype(x.dtype).name
+  row = entry.layer_size if entry is not None and entry.stacked else 0
   tree[part][key] = x
-  leaves[part].append(_Leaf(key, path, shape, dtype, tuple(x.shape), index))
+  leaves[part].append(_Leaf(key, path, shape, dtype, tuple(x.shape), index, row=row))
 
 
 @jax.jit
@@ -293,28 +301,46 @@ def _ravel(x):
   return jnp.ravel(x)
 
 
-@jax.jit
-def _checksum_tree(tree):
-  return jax.tree.map(_checksum, tree)
+@functools.partial(jax.jit, static_argnums=1)
+def _checksum_tree(tree, rows):
+  rows = {(part, key): row for part, key, row in rows}
+  return {part: {key: _checksum(x, row=rows.get((part, key), 0))
+                 for key, x in leaves.items()} for part, leaves in tree.items()}
 
 
-def _checksum(x, xp=jnp):
-  """Position-weighted wrap-around sum of the bits of ravel(x): exact in any reduction
-  order, and trailing zero padding adds nothing, so it is the same in every layout.
+def _rows(rows_by_part) -> tuple:
+  """{part: [(key, row)]} as the static argument of `_checksum_tree`."""
+  return tuple((part, key, row) for part, pairs in rows_by_part.items()
+               for key, row in pairs if row)
+
+
+def _checksum(x, xp=jnp, row=0):
+  """Position-weighted wrap-around sum of the bits of x in natural order: exact in any
+  reduction order, and zero padding adds nothing, so it is the same in every layout.
+  `row`: x is stacked storage [layers, padded row] holding `row` natural elements per row
+  (weights follow the natural position; no reshape, so a sharded x stays sharded).
   `xp`: jax.numpy on device, numpy on the host (export); the same bits either way."""
-  flat = xp.ravel(x)
-  if flat.dtype == np.bool_:
-    bits = flat.astype(np.uint32)
+  values = x if row else xp.ravel(x)
+  if values.dtype == np.bool_:
+    bits = values.astype(np.uint32)
   else:
-    width = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}[flat.dtype.itemsize]
-    bits = (flat.view(width) if xp is np else jax.lax.bitcast_convert_type(flat, width))
-    bits = bits.reshape(-1).astype(np.uint32)
-  weights = xp.arange(bits.shape[0], dtype=np.uint32) * np.uint32(2) + np.uint32(1)
-  return xp.sum(bits * weights, dtype=np.uint32)
+    width = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}[values.dtype.itemsize]
+    bits = (values.view(width) if xp is np else jax.lax.bitcast_convert_type(values, width))
+    if values.dtype.itemsize == 8:  # two uint32 words per value, in order
+      bits = bits.reshape(bits.shape[:-1] + (-1,)) if row else bits.reshape(-1)
+    bits = bits.astype(np.uint32)
+  if row:
+    words = bits.shape[1] // x.shape[1] if x.shape[1] else 1
+    r = jax.lax.broadcasted_iota(np.uint32, bits.shape, 0)
+    c = jax.lax.broadcasted_iota(np.uint32, bits.shape, 1)
+    position = r * np.uint32(row * words) + c
+  else:
+    position = xp.arange(bits.shape[0], dtype=np.uint32)
+  return xp.sum(bits * (position * np.uint32(2) + np.uint32(1)), dtype=np.uint32)
 
 
-def _checksums(tree) -> dict:
-  return jax.tree.map(int, jax.device_get(_checksum_tree(tree)))
+def _checksums(tree, rows=()) -> dict:
+  return jax.tree.map(int, jax.device_get(_checksum_tree(tree, rows)))
 
 
 # ---- restore planning -----------------------------------------------------------------
@@ -388,31 +414,51 @@ def _plan_part(items, part, saved, target_tree, schedule, saved_paths, where, wh
 
 
 def _plan_leaf(items, part, leaf, target, entry, where):
-  """One leaf's restore: mirrored leaves read flat to the target's length."""
+  """One leaf's restore: (key, conversion after the read, natural elements per read row)."""
   sharding = target.sharding
   if leaf.dtype != jnp.dtype(target.dtype).name:
     raise CheckpointError(f"{_what(part)} {leaf.path} in {where} is {leaf.dtype}; the trainer "
                           f"expects {jnp.dtype(target.dtype).name}. Restore with the "
                           f"precision settings that saved it.")
-  if entry is not None:
-    length = entry.size if entry.persistent else int(np.prod(target.shape))
-    flat_sharding = sharding if not entry.persistent else NamedSharding(sharding.mesh, P())
-    abstract = jax.ShapeDtypeStruct((length,), target.dtype, sharding=flat_sharding)
-    args = ocp.ArrayRestoreArgs(sharding=flat_sharding, global_shape=(length,), strict=False)
-    reshape = tuple(entry.shape) if entry.persistent else None
-  else:
+  if entry is None:
     if tuple(leaf.stored) != tuple(target.shape):
       raise CheckpointError(f"{_what(part)} {leaf.path} in {where} has shape "
                             f"{list(leaf.stored)}; the trainer expects {list(target.shape)}.")
-    abstract = jax.ShapeDtypeStruct(target.shape, target.dtype, sharding=sharding)
-    args = ocp.ArrayRestoreArgs(sharding=sharding)
-    reshape = None
-  items[part][leaf.key] = (abstract, args)
-  return leaf.key, reshape
+    shape, read_sharding, convert, row = tuple(target.shape), sharding, None, 0
+  else:
+    shape, read_sharding, convert, row = _conversion(leaf, entry, target, sharding)
+  args = ocp.ArrayRestoreArgs(sharding=read_sharding, global_shape=shape,
+                              strict=entry is None)
+  items[part][leaf.key] = (jax.ShapeDtypeStruct(shape, target.dtype, sharding=read_sharding),
+                           args)
+  return leaf.key, convert, row
 
 
-def _verify_checksums(restored, saved, where):
-  sums = _checksums(restored)
+def _conversion(leaf, entry, target, sharding):
+  """(shape to read, its sharding, conversion to the target storage, read row) for a
+  parameter-shaped leaf. Same layout kind: read straight into the target's storage,
+  truncated or zero-extended (per row if stacked). Otherwise read the natural values
+  replicated and convert (see the module docstring)."""
+  stored_stacked, replicated = len(leaf.stored) == 2, NamedSharding(sharding.mesh, P())
+  spec = sharding.spec
+  if entry.stacked and stored_stacked:
+    return tuple(target.shape), sharding, None, entry.layer_size
+  if not entry.stacked and not stored_stacked:
+    if entry.persistent:
+      return (entry.size,), replicated, ("natural", tuple(entry.shape), spec), 0
+    return tuple(target.shape), sharding, None, 0
+  if stored_stacked:  # -> replicated natural, or flat padded
+    layer = int(np.prod(entry.shape[1:], dtype=np.int64))
+    read = (entry.shape[0], layer)
+    if entry.persistent:
+      return read, replicated, ("natural", tuple(entry.shape), spec), layer
+    return read, replicated, ("flat", tuple(target.shape), spec), layer
+  return (entry.size,), replicated, ("stacked", tuple(target.shape), spec), 0
+
+
+def _verify_checksums(restored, saved, plans, where):
+  sums = _checksums(restored, _rows({part: [(key, row) for key, _, row in plans[part]]
+                                     for part in plans}))
   for part, leaves in saved.items():
     for leaf in leaves:
       if sums[part][leaf.key] != leaf.checksum:
@@ -422,11 +468,11 @@ def _verify_checksums(restored, saved, where):
 
 
 def _assemble(restored, plans, target, train_step, trainer):
-  """The train state in the target's structure; persistent leaves back to natural shape."""
+  """The train state in the target's structure, every leaf converted to its storage."""
   replicated = NamedSharding(trainer.mesh, P())
-  parts = {part: [restored[part][key] for key, _ in plans[part]] for part in plans}
-  shapes = tuple((part, tuple(shape for _, shape in plans[part])) for part in plans)
-  reshaped = _natural_shapes(parts, shapes)
+  parts = {part: [restored[part][key] for key, _, _ in plans[part]] for part in plans}
+  conversions = tuple((part, tuple(c for _, c, _ in plans[part])) for part in plans)
+  reshaped = _converted(parts, conversions, trainer.mesh)
 
   def tree(part, like):
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), reshaped[part])
@@ -436,11 +482,24 @@ def _assemble(restored, plans, target, train_step, trainer):
                       opt_state=tree("opt", target.opt_state), extra=tree("extra", target.extra))
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _natural_shapes(parts, shapes):
-  """Raveled persistent leaves back to their natural shapes (shape None: left as is)."""
-  return {part: [x if shape is None else x.reshape(shape)
-                 for x, shape in zip(parts[part], part_shapes)] for part, part_shapes in shapes}
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _converted(parts, conversions, mesh):
+  """Leaves read in another layout kind, converted (None: already the target storage)."""
+  return {part: [_convert(x, c, mesh) for x, c in zip(parts[part], part_conversions)]
+          for part, part_conversions in conversions}
+
+
+def _convert(x, conversion, mesh):
+  if conversion is None:
+    return x
+  kind, shape, spec = conversion
+  if kind == "natural":  # -> persistent
+    return x.reshape(shape)
+  if kind == "flat":  # natural rows [L, layer] -> flat padded storage
+    flat = x.reshape(-1)
+    return layout.place(jnp.pad(flat, (0, shape[0] - flat.shape[0])), mesh, spec)
+  rows = x.reshape(shape[0], -1)  # natural flat -> [L, padded layer]
+  return layout.place(jnp.pad(rows, ((0, 0), (0, shape[1] - rows.shape[1]))), mesh, spec)
 
 
 # ---- helpers --------------------------------------------------------------------------
