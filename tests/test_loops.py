@@ -3,6 +3,9 @@ gathers its shared weight once, cond/switch gather outside the branches. Parity 
 plain JAX, the compiled program's while bodies against the schedule, and memory vs depth."""
 
 import json
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -319,3 +322,14 @@ def test_adamw_state_is_per_layer_sharded():
   assert w.shape == (4, D * D) and w.addressable_shards[0].data.shape == (4, D * D // 8)
   state, _ = trainer.step(state, batch)
   np.testing.assert_array_equal(trainer.gather_params(state)["w"].shape, (4, D, D))
+
+
+def test_compile_time_script_runs():
+  """examples/scan_compile_time.py at tiny size (structure only, never speed)."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+  done = subprocess.run([sys.executable, "scan_compile_time.py", "--layers", "1", "2",
+                         "--d-model", "32"], cwd=root / "examples", capture_output=True,
+                        text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-2000:]
+  rows = done.stdout.splitlines()[2:]
+  assert [r.split()[0] for r in rows] == ["1", "2"] and all(len(r.split()) == 5 for r in rows)
