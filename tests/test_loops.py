@@ -72,6 +72,41 @@ def test_one_layer_scan_parity():
   assert_parity(*scan_stack(num_layers=1), config=PREFETCH)
 
 
+def indexed_stack(kind):
+  """Stacked weights passed as a scan const and read as W[i], i the layer: a fori_loop
+  counter, or the xs of jnp.arange in a reverse scan; "shifted" reads W[(i + 1) % L]
+  (not its own layer: must be gathered whole)."""
+  k = jax.random.split(jax.random.key(5), 3)
+  params = {"w": jax.random.normal(k[0], (4, D, D)) / 8, "b": jax.random.normal(k[1], (4, D))}
+  x = jax.random.normal(k[2], (16, D))
+
+  def layer(p, i, x):
+    return jnp.tanh(x @ p["w"][i] + 0.1 * p["b"][i])
+
+  def loss(p, x):
+    if kind == "fori":
+      x = jax.lax.fori_loop(0, 4, lambda i, x: layer(p, i, x), x)
+    elif kind == "arange":
+      x = jax.lax.scan(lambda x, i: (layer(p, i, x), None), x, jnp.arange(4), reverse=True)[0]
+    else:
+      x = jax.lax.fori_loop(0, 4, lambda i, x: layer(p, (i + 1) % 4, x), x)
+    return jnp.mean(x ** 2)
+
+  return loss, params, x
+
+
+@pytest.mark.parametrize("config", [PREFETCH, NO_PREFETCH], ids=["prefetch", "no-prefetch"])
+@pytest.mark.parametrize("kind", ["fori", "arange", "shifted"])
+def test_consts_indexed_by_the_iteration(kind, config):
+  schedule, compiled = assert_parity(*indexed_stack(kind), config=config)
+  stacked = [schedule.param(path).stacked for path in ("['w']", "['b']")]
+  assert stacked == ([False, False] if kind == "shifted" else [True, True])
+  executed, report = hlo.executed(compiled.as_text()), schedule.report()
+  assert len(report["loops"]) == (0 if kind == "shifted" else 2)
+  for key in ("all_gather_count", "all_gather_bytes", "reduce_scatter_count"):
+    assert executed[key] == report[key], key
+
+
 def gpt_scan_setup(n_layer=3, remat=False):
   from gpt import GPT, GPTConfig, make_loss_fn
   cfg = GPTConfig(d_model=64, n_layer=n_layer, n_head=4, d_ff=128, seq_len=16,

@@ -23,7 +23,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 from jax import lax
 
-from zjax._src import collectives, ir, layout
+from zjax._src import collectives, ir, layout, loops
 from zjax._src import segments as seg_lib
 
 
@@ -45,6 +45,9 @@ class Loop:
     for j, a in enumerate(op.inputs):
       if isinstance(a, int) and a in dp.chains and dp.chains[a][0] in stacked:
         self.stacked_inputs[j] = dp.chains[a]
+    # stacked consts read as W[i]: body equation index -> input position
+    self.layer_slices = {k: j for j in self.stacked_inputs if j < self.num_consts
+                         for k in loops.layer_slices(dp.program, op, j)}
     self.trained = [i for b in self.buckets if b in self.scattered for i in dp.members[b]]
 
   # ---- one iteration -------------------------------------------------------------------
@@ -54,8 +57,28 @@ class Loop:
     args = list(inputs)
     for j, (param, chain) in self.stacked_inputs.items():
       args[j] = seg_lib.apply_chain(chain, layers[param])
-    outs = jex.jaxpr_as_fun(self.body_jaxpr)(*args)
+    if self.layer_slices:
+      outs = self._run_body_with_layer_slices(args)
+    else:
+      outs = jex.jaxpr_as_fun(self.body_jaxpr)(*args)
     return list(outs[:self.num_carry]), list(outs[self.num_carry:])
+
+  def _run_body_with_layer_slices(self, args):
+    """The body, with each `W[i]` of a stacked const answered by the gathered layer."""
+    jaxpr = self.body_jaxpr.jaxpr
+    env = dict(zip(jaxpr.constvars, self.body_jaxpr.consts))
+    env.update(zip(jaxpr.invars, args))
+    read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]
+    for k, eqn in enumerate(jaxpr.eqns):
+      if k in self.layer_slices:
+        outs = [args[self.layer_slices[k]][None]]
+      else:
+        with eqn.ctx.manager:
+          outs = eqn.primitive.bind(*[read(v) for v in eqn.invars],
+                                    **eqn.primitive.get_bind_params(eqn.params))
+        outs = list(outs) if eqn.primitive.multiple_results else [outs]
+      env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
 
   def gather_layer(self, shard_rows: dict, tie) -> dict:
     """param index -> its layer slice, from this device's rows of the stacked shards."""

@@ -1,13 +1,20 @@
 """Loops over layers: which parameters a scan consumes one layer slice per iteration.
 
-A parameter is *stacked* when it is sharded, all its uses are one top-level `scan` op, and it
-enters that scan only as scanned-over input (xs) whose leading axis is the trip count,
-directly or through a dtype cast. Each iteration then reads exactly one layer slice, so the
-schedule can gather one layer at a time inside the loop instead of the whole stack before it
-(`nn.scan(..., variable_axes={"params": 0})` and a hand-written `lax.scan` over stacked
-weights both look like this). Anything else a loop reads (a weight shared by every
-iteration, as in `fori_loop` applying one layer K times) is gathered once before the loop.
+A parameter is *stacked* when it is sharded, all its uses are one top-level `scan` op, its
+leading axis is the trip count, and each iteration provably reads exactly the slice of its
+own layer, either
+  * as scanned-over input (xs), directly or through a dtype cast
+    (`nn.scan(..., variable_axes={"params": 0})`, a hand-written `lax.scan` over weights), or
+  * as a scan const read only by `W[i]` (a `dynamic_slice` of one row) where `i` is the
+    iteration's layer: a counter carried from 0 in steps of 1 (`fori_loop(0, L, ...)`) or
+    the xs of `jnp.arange(L)`; jnp's negative-index normalisation is seen through.
+The schedule then gathers one layer at a time inside the loop instead of the whole stack
+before it. Anything else a loop reads (a weight shared by every iteration, as in
+`fori_loop` applying one layer K times) is gathered once before the loop.
 """
+
+import jax.extend.core as jex
+import numpy as np
 
 from zjax._src.program import FlatProgram
 from zjax._src.trace import param_views
@@ -30,13 +37,107 @@ def stacked_params(program: FlatProgram, params, candidates: set[int]) -> dict[i
     op = program.ops[op_index]
     if op.primitive != "scan" or not p.shape or p.shape[0] != op.eqn.params["length"]:
       continue
-    first_xs = op.eqn.params["num_consts"] + op.eqn.params["num_carry"]
     positions = [j for j, a in enumerate(op.inputs)
                  if isinstance(a, int) and p.index in views.get(a, ())]
-    if positions and all(j >= first_xs and chains.get(op.inputs[j]) is not None
-                         for j in positions):
+    if positions and all(chains.get(op.inputs[j]) is not None and
+                         reads_one_layer(program, op, j) for j in positions):
       out[p.index] = op_index
   return out
+
+
+def reads_one_layer(program, op, position) -> bool:
+  """Whether every iteration of scan `op` reads only its own layer of input `position`."""
+  num_consts, num_carry = loop_inputs(op.eqn)
+  if position >= num_consts + num_carry:
+    return True  # xs: the scan itself slices it
+  return position < num_consts and layer_slices(program, op, position) is not None
+
+
+def layer_slices(program, op, position):
+  """Indices (in the scan body) of the `dynamic_slice` equations that read const `position`
+  one layer per iteration, or None if the const is read any other way."""
+  eqn = op.eqn
+  body = eqn.params["jaxpr"].jaxpr
+  const = body.invars[position]
+  if const in body.outvars:
+    return None
+  values = _iteration_values(program, op)
+  slices = []
+  for k, inner in enumerate(body.eqns):
+    _propagate(inner, values)
+    if const not in inner.invars:
+      continue
+    if not _is_layer_slice(inner, const, values):
+      return None
+    slices.append(k)
+  return slices or None
+
+
+_ITER = "iteration"  # the abstract value "this iteration's layer index"
+
+
+def _iteration_values(program, op) -> dict:
+  """Body variables known to equal this iteration's layer index."""
+  eqn = op.eqn
+  body = eqn.params["jaxpr"].jaxpr
+  num_consts, num_carry = loop_inputs(eqn)
+  values = {}
+  producers = {v: e for e in body.eqns for v in e.outvars}
+  for k in range(num_carry):  # a counter carried from 0 in steps of 1, forward
+    inner, outer = body.invars[num_consts + k], eqn.invars[num_consts + k]
+    step = producers.get(body.outvars[k])
+    if (not eqn.params["reverse"] and isinstance(outer, jex.Literal) and outer.val == 0
+        and step is not None and step.primitive.name == "add"
+        and _is_counter_step(step.invars, inner)):
+      values[inner] = _ITER
+  top = {o: p for p in program.ops for o in p.outputs}
+  for k, inner in enumerate(body.invars[num_consts + num_carry:]):  # xs = arange(L)
+    source = op.inputs[num_consts + num_carry + k]
+    producer = top.get(source) if isinstance(source, int) else None
+    if (producer is not None and producer.primitive == "iota"
+        and producer.eqn.params["dimension"] == 0
+        and tuple(producer.eqn.params["shape"]) == (eqn.params["length"],)):
+      values[inner] = _ITER
+  return values
+
+
+def _is_counter_step(invars, counter) -> bool:
+  literals = [v for v in invars if isinstance(v, jex.Literal)]
+  return counter in invars and len(literals) == 1 and literals[0].val == 1
+
+
+def _value(atom, values):
+  if isinstance(atom, jex.Literal):
+    return ("const", np.asarray(atom.val).item()) if np.ndim(atom.val) == 0 else None
+  return values.get(atom)
+
+
+def _propagate(eqn, values):
+  """Abstract interpretation of scalar index arithmetic (what jnp indexing emits)."""
+  name, ins = eqn.primitive.name, [_value(v, values) for v in eqn.invars]
+  out = None
+  if name == "convert_element_type" and ins[0] is not None and \
+      np.issubdtype(np.dtype(eqn.params["new_dtype"]), np.integer):
+    out = ins[0]
+  elif name == "lt" and ins[0] == _ITER and ins[1] == ("const", 0):
+    out = ("const", False)  # a layer index is never negative
+  elif name in ("lt", "add") and all(isinstance(v, tuple) for v in ins):
+    a, b = ins[0][1], ins[1][1]
+    out = ("const", a < b if name == "lt" else a + b)
+  elif name == "select_n" and isinstance(ins[0], tuple):
+    out = ins[1 + int(ins[0][1])]
+  if out is not None:
+    values[eqn.outvars[0]] = out
+
+
+def _is_layer_slice(eqn, const, values) -> bool:
+  if eqn.primitive.name != "dynamic_slice" or eqn.invars[0] is not const or \
+      const in eqn.invars[1:]:
+    return False
+  starts = [_value(v, values) for v in eqn.invars[1:]]
+  shape = tuple(const.aval.shape)
+  return (tuple(eqn.params["slice_sizes"]) == (1,) + shape[1:] and starts[0] == _ITER
+          and all(s == ("const", 0) for s in starts[1:]))
 
 
 def _view_ops(program, views, num_params) -> dict[int, tuple]:
