@@ -36,7 +36,8 @@ class Zero3(NamedTuple):
   """The trainer's pure functions (see `zero3`)."""
   init: Callable  # natural-shape params -> TrainState
   init_from: Callable  # (init_fn, *args) -> TrainState, never holding the whole model
-  step: Callable  # (TrainState, batch) -> (TrainState, metrics); jitted, state donated
+  step: Callable  # (TrainState, batch) -> (TrainState, metrics); jitted, state donated;
+  #                 step.lower(state, batch) for the compiled program
   gather_params: Callable  # TrainState -> natural-shape params
   abstract_state: Callable  # (extra=None) -> TrainState of ShapeDtypeStructs with shardings
   schedule: Any  # the schedule it runs
@@ -131,6 +132,8 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
                            f"gradient norm ({float(metrics['grad_norm'])}) is not finite; the "
                            f"state was left unchanged (see .state).", new)
     return new, metrics
+
+  step.lower = jitted.lower  # ahead-of-time analysis: step.lower(state, batch).compile()
 
   def gather_params(state: TrainState):
     return layout.unshard(state.params, schedule)

@@ -4,16 +4,25 @@ import argparse
 import sys
 
 from zjax._src.errors import ZjaxError
-from zjax.cli import inspect_cmd
+from zjax.cli import inspect_cmd, train_cmd
 from zjax.cli.target import TargetError
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(
+  parser = _OneLineParser(
       prog="zjax", description="ZeRO-3 fully sharded data parallelism for JAX.")
-  subparsers = parser.add_subparsers(dest="command", required=True)
+  subparsers = parser.add_subparsers(dest="command", required=True,
+                                     parser_class=_OneLineParser)
   inspect_cmd.add_parser(subparsers)
+  train_cmd.add_parser(subparsers)
   return parser
+
+
+class _OneLineParser(argparse.ArgumentParser):
+  """Usage errors as one line that says what to change (exit code 2)."""
+
+  def error(self, message):
+    self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def main(argv=None) -> int:

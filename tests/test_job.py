@@ -1,0 +1,113 @@
+"""`zjax train` end to end (subprocesses, tiny settings), its bad-input handling, and the
+example scripts that show the library API (run so that they never rot)."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = ["--d-model", "32", "--n-layer", "1", "--n-head", "2", "--d-ff", "64", "--seq-len", "32",
+        "--batch", "8", "--corpus-bytes", "300000", "--sample-bytes", "20", "--eval-batches",
+        "1", "--eval-every", "4", "--checkpoint-every", "4", "--warmup-steps", "2"]
+
+
+def zjax_cli(*args, cwd=None):
+  return subprocess.run([sys.executable, "-m", "zjax.cli.main", *args], capture_output=True,
+                        text=True, timeout=900, cwd=cwd)
+
+
+def example(name, *args, cwd=ROOT / "examples"):
+  done = subprocess.run([sys.executable, name, *args], capture_output=True, text=True,
+                        timeout=900, cwd=cwd)
+  assert done.returncode == 0, done.stderr[-3000:]
+  return done.stdout
+
+
+def test_train_end_to_end_then_resume_on_other_devices_scanned(tmp_path):
+  out = tmp_path / "run"
+  first = zjax_cli("train", *TINY, "--steps", "8", "--devices", "4", "--lr", "1e-2",
+                   "--scan", "--out-dir", str(out))
+  assert first.returncode == 0, first.stderr[-3000:]
+  metrics = json.loads((out / "metrics.json").read_text())
+  losses = [row["loss"] for row in metrics["train"]]
+  assert len(losses) == 8 and losses[-1] < losses[0] - 0.5  # it learns
+  assert [row["step"] for row in metrics["validation"]] == [4, 8]
+  assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert (out / "sample.txt").read_bytes().startswith(b"def ")
+  summary = metrics["summary"]
+  assert summary["steps"] == 8 and summary["tokens_per_second"] > 0
+  assert summary["all_gather_bytes"] > 0 and summary["per_device_state_bytes"] > 0
+  assert "Plan" in first.stdout and "Summary" in first.stdout
+
+  # a second run on 2 devices resumes from step 8's checkpoint
+  second = zjax_cli("train", *TINY, "--steps", "10", "--devices", "2", "--lr", "1e-2",
+                    "--scan", "--out-dir", str(out))
+  assert second.returncode == 0, second.stderr[-3000:]
+  assert "resumed from step 8" in second.stdout and "saved on 4 device(s), now 2" in \
+      second.stdout
+  metrics = json.loads((out / "metrics.json").read_text())
+  assert [row["step"] for row in metrics["train"]] == list(range(1, 11))
+  assert metrics["train"][-1]["loss"] < losses[0] - 0.5
+
+  # the export example turns the run's checkpoint into plain Flax params for model.apply
+  printed = example("export_checkpoint.py", str(out))
+  assert "exported" in printed and "next byte" in printed
+
+
+def test_train_unrolled_in_bf16(tmp_path):
+  done = zjax_cli("train", *TINY, "--steps", "3", "--devices", "8", "--precision", "bf16",
+                  "--out-dir", str(tmp_path / "run"))
+  assert done.returncode == 0, done.stderr[-3000:]
+  metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+  assert metrics["settings"]["precision"] == "bf16" and len(metrics["train"]) == 3
+
+
+def test_resume_with_another_model_fails_clearly(tmp_path):
+  """Scanned and unrolled layers are different parameter trees: no silent mix-up."""
+  out = str(tmp_path / "run")
+  assert zjax_cli("train", *TINY, "--steps", "1", "--devices", "2", "--out-dir",
+                  out).returncode == 0
+  done = zjax_cli("train", *TINY, "--steps", "2", "--devices", "2", "--scan", "--out-dir", out)
+  assert done.returncode == 2 and "saved from a different model" in done.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config", "/no/such/file.toml"], "does not exist"),
+    (["--bogus-option", "3"], "unrecognized arguments: --bogus-option"),
+    (["--batch", "12", "--devices", "8"], "not divisible by devices 8"),
+    (["--out-dir", "/proc/zjax-cannot-write-here"], "cannot be created or written"),
+    (["--precision", "fp8"], "precision must be"),
+])
+def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, args, message):
+  done = zjax_cli("train", *args, cwd=tmp_path)
+  assert done.returncode == 2
+  lines = done.stderr.strip().splitlines()
+  assert len(lines) == 1 and message in lines[0], done.stderr
+  assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_config_file_with_an_unknown_key(tmp_path):
+  config = tmp_path / "run.toml"
+  config.write_text('steps = 5\nlearning_rate = 0.1\n')
+  done = zjax_cli("train", "--config", str(config), cwd=tmp_path)
+  assert done.returncode == 2 and "unknown setting(s) ['learning_rate']" in done.stderr
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["run.toml"]
+
+
+def test_linen_training_example():
+  printed = example("train_linen.py", "--steps", "2", "--devices", "2", "--d-model", "32")
+  assert "step 1: loss" in printed and "logits (1, 64, 257)" in printed
+
+
+def test_nnx_training_example():
+  printed = example("train_nnx.py", "--steps", "3", "--devices", "2")
+  assert "step 2: loss" in printed and "accuracy" in printed
+
+
+def test_schedule_inspection_example(tmp_path):
+  printed = example("inspect_schedule.py", "--out", str(tmp_path), "--layers", "1")
+  assert "peak_live_param_bytes" in printed and "step lines differ" in printed
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt_keep.json", "gpt_lean.json"]

@@ -1,0 +1,112 @@
+"""What `zjax train` shows and writes: the plan vs plain data parallelism at start; the loss
+curve (PNG), the metrics (JSON), a generated sample and the summary table at the end."""
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from rich.table import Table
+
+from zjax._src.render import format_bytes
+from zjax.job.corpus import END_OF_TEXT
+
+ADAM_STATE_FACTOR = 2  # adam's mu and nu, each shaped like the parameters
+
+
+def plan_table(schedule, num_params: int, param_bytes: int) -> Table:
+  """Predicted per-device state and communication per step: zjax vs plain data parallel
+  (replicated params, grads and adam state; gradients all-reduced, 2x their bytes on a
+  ring)."""
+  report = schedule.report()
+  n = schedule.num_devices
+  state = report["state_bytes_per_device"]
+  table = Table(title=f"Plan: GPT, {num_params:,} parameters ({format_bytes(param_bytes)}), "
+                      f"{n} devices, per device and step")
+  table.add_column("")
+  table.add_column("zjax (ZeRO-3)", justify="right")
+  table.add_column("data parallel", justify="right")
+  table.add_row("params + adam state", format_bytes(state * (1 + ADAM_STATE_FACTOR)),
+                format_bytes(param_bytes * (1 + ADAM_STATE_FACTOR)))
+  table.add_row("gathered params (peak)", format_bytes(report["peak_live_param_bytes"]), "-")
+  comm = report["all_gather_bytes"] + report["reduce_scatter_bytes"] + \
+      report["persistent_grad_all_reduce_bytes"] * 2
+  table.add_row("communication", format_bytes(comm), format_bytes(2 * param_bytes))
+  table.add_row("collectives", f"{report['all_gather_count']} all-gather, "
+                f"{report['reduce_scatter_count']} reduce-scatter", "1 all-reduce")
+  return table
+
+
+def summary_table(summary: dict) -> Table:
+  table = Table(title="Summary")
+  table.add_column("")
+  table.add_column("", justify="right")
+  for key, value in summary.items():
+    if isinstance(value, float):
+      value = f"{value:.4g}"
+    elif key.endswith("bytes"):
+      value = format_bytes(value)
+    table.add_row(key.replace("_", " "), str(value))
+  return table
+
+
+def write_metrics(path: pathlib.Path, history: dict, summary: dict, settings: dict) -> None:
+  """metrics.json, written whole to a temporary file and renamed (never half-written)."""
+  temporary = path.with_suffix(".json.tmp")
+  temporary.write_text(json.dumps({"settings": settings, "summary": summary, **history},
+                                  indent=1))
+  temporary.replace(path)
+
+
+def read_history(path: pathlib.Path, up_to_step: int) -> dict:
+  """The train/validation curves of an earlier run, up to the step it resumes from."""
+  empty = {"train": [], "validation": []}
+  if not path.is_file():
+    return empty
+  try:
+    data = json.loads(path.read_text())
+  except ValueError:
+    return empty
+  return {key: [row for row in data.get(key, []) if row["step"] <= up_to_step]
+          for key in empty}
+
+
+def plot_losses(path: pathlib.Path, history: dict, title: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(7, 4))
+  train = history["train"]
+  ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train", lw=1)
+  val = history["validation"]
+  if val:
+    ax.plot([r["step"] for r in val], [r["loss"] for r in val], "o-", label="validation")
+  ax.set_xlabel("step")
+  ax.set_ylabel("loss (nats per byte)")
+  ax.set_title(title)
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def generate(model, params, prompt: bytes, num_bytes: int, seq_len: int,
+             temperature: float = 0.8, seed: int = 0) -> bytes:
+  """Sample `num_bytes` bytes after `prompt` from the trained model (on one device)."""
+  params = jax.device_put(jax.device_get(params), jax.devices()[0])
+  logits_at = jax.jit(lambda p, tokens, i: model.apply(p, tokens)[0, i])
+  tokens = list(prompt)
+  key = jax.random.key(seed)
+  for _ in range(num_bytes):
+    window = tokens[-seq_len:]
+    padded = np.zeros((1, seq_len), np.int32)
+    padded[0, :len(window)] = window
+    logits = logits_at(params, jnp.asarray(padded), len(window) - 1)
+    key, sub = jax.random.split(key)
+    token = int(jax.random.categorical(sub, logits / temperature))
+    if token == END_OF_TEXT:
+      break
+    tokens.append(token)
+  return bytes(tokens[len(prompt):])

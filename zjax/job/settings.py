@@ -1,0 +1,119 @@
+"""Settings of `zjax train`: an embedded default that finishes in a few minutes on a 2-core
+CPU with 8 simulated devices, overridden by a config file (JSON or TOML, same keys) and
+then by command-line flags."""
+
+import dataclasses
+import json
+import pathlib
+import tomllib
+
+
+class SettingsError(ValueError):
+  """Bad settings: the message says which one and what to change."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainSettings:
+  # model (zjax.models.gpt)
+  d_model: int = 128
+  n_layer: int = 4
+  n_head: int = 4
+  d_ff: int = 512
+  seq_len: int = 128
+  scan: bool = False  # stack the blocks with nn.scan (gathered one layer per iteration)
+  # run
+  devices: int = 8  # simulated CPU devices (or the first N accelerators)
+  steps: int = 300
+  batch: int = 32  # global batch (sequences); a multiple of devices
+  lr: float = 3e-3
+  warmup_steps: int = 30
+  min_lr_ratio: float = 0.1  # cosine decay to lr * this
+  weight_decay: float = 0.01
+  precision: str = "fp32"  # or "bf16": gather and compute in bf16, fp32 master weights
+  seed: int = 0
+  corpus_bytes: int = 4_000_000
+  eval_every: int = 100
+  eval_batches: int = 4
+  checkpoint_every: int = 100
+  out_dir: str = "zjax_run"  # metrics.json, loss.png, sample.txt, checkpoints/
+  sample_bytes: int = 240
+  log_every: int = 10  # progress lines when the output is not a terminal
+
+  def __post_init__(self):
+    positive = ("d_model", "n_layer", "n_head", "d_ff", "seq_len", "devices", "steps", "batch",
+                "eval_every", "eval_batches", "checkpoint_every", "corpus_bytes", "log_every")
+    for name in positive:
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SettingsError(f"{name} must be a positive integer, got {value!r}.")
+    if self.batch % self.devices:
+      raise SettingsError(f"batch {self.batch} is not divisible by devices {self.devices}: "
+                          f"use a batch that is a multiple of {self.devices} (e.g. "
+                          f"--batch {self.devices * max(1, self.batch // self.devices)}).")
+    if self.d_model % self.n_head:
+      raise SettingsError(f"d_model {self.d_model} is not divisible by n_head {self.n_head}.")
+    if self.precision not in ("fp32", "bf16"):
+      raise SettingsError(f"precision must be 'fp32' or 'bf16', got {self.precision!r}.")
+    if not (isinstance(self.lr, (int, float)) and self.lr > 0):
+      raise SettingsError(f"lr must be a positive number, got {self.lr!r}.")
+    if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
+      raise SettingsError("warmup_steps must be >= 0 and min_lr_ratio in [0, 1].")
+
+  @property
+  def checkpoint_dir(self) -> pathlib.Path:
+    return pathlib.Path(self.out_dir) / "checkpoints"
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainSettings)}
+
+
+def load_file(path) -> dict:
+  """Keys and values of a JSON or TOML config file (checked against the settings)."""
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise SettingsError(f"config file {path} does not exist: pass an existing .json or .toml "
+                        f"file to --config.")
+  text = path.read_text()
+  try:
+    data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+  except (ValueError, tomllib.TOMLDecodeError) as e:
+    raise SettingsError(f"config file {path} is not valid "
+                        f"{'TOML' if path.suffix == '.toml' else 'JSON'}: {e}.") from None
+  if not isinstance(data, dict):
+    raise SettingsError(f"config file {path} must hold one object of settings.")
+  unknown = sorted(set(data) - set(FIELDS))
+  if unknown:
+    raise SettingsError(f"config file {path} has unknown setting(s) {unknown}; known: "
+                        f"{sorted(FIELDS)}.")
+  return data
+
+
+def make_settings(file_values: dict, flag_values: dict) -> TrainSettings:
+  values = {**file_values, **{k: v for k, v in flag_values.items() if v is not None}}
+  for name, value in values.items():
+    expected = type(FIELDS[name].default)
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+      values[name] = float(value)
+    elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+      raise SettingsError(f"setting {name} must be a {expected.__name__}, got {value!r}.")
+  return TrainSettings(**values)
+
+
+def prepare_directory(directory: pathlib.Path) -> None:
+  """Create `directory` (and missing parents) and prove it writable; on failure remove what
+  was created and raise SettingsError (nothing is left half-made)."""
+  created, probe = [], directory.absolute()
+  while not probe.exists():
+    created.append(probe)
+    probe = probe.parent
+  try:
+    for path in reversed(created):
+      path.mkdir()
+    (directory / ".zjax-write-test").touch()
+    (directory / ".zjax-write-test").unlink()
+  except OSError as e:
+    for path in created:
+      if path.exists():
+        path.rmdir()
+    raise SettingsError(f"output directory {directory} cannot be created or written "
+                        f"({e.strerror}): choose another --out-dir.") from None

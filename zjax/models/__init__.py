@@ -1,0 +1,1 @@
+"""Models that ship with zjax (used by `zjax train`, the examples and the tests)."""
