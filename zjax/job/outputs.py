@@ -44,7 +44,7 @@ def summary_table(summary: dict) -> Table:
   table.add_column("", justify="right")
   for key, value in summary.items():
     if isinstance(value, float):
-      value = f"{value:.4g}"
+      value = f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
     elif key.endswith("bytes"):
       value = format_bytes(value)
     table.add_row(key.replace("_", " "), str(value))
