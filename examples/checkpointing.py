@@ -25,7 +25,7 @@ def main(argv=None) -> int:
   p.add_argument("--steps", type=int, default=2)
   args = p.parse_args(argv)
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  from compare_fsdp import setup_devices
+  from devices import setup_devices
   setup_devices(8)
   directory = args.dir or tempfile.mkdtemp(prefix="zjax-ckpt-")
   try:

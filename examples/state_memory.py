@@ -20,7 +20,7 @@ def main(argv=None) -> int:
   p.add_argument("--d-model", type=int, default=128)
   args = p.parse_args(argv)
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  from compare_fsdp import setup_devices  # simulated devices, barriers kept on CPU
+  from devices import setup_devices  # simulated devices, barriers kept on CPU
   setup_devices(max(args.devices))
   for row in measure(args):
     print(row)

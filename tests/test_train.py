@@ -189,13 +189,15 @@ def test_nonfinite_steps_leave_the_state_unchanged():
   assert bool(metrics["finite"]) and int(state.step) == 1
 
 
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
-def test_state_bytes_per_device_match_the_schedule_and_scale(n):
+@pytest.mark.parametrize("n, explicit", [(1, True), (2, True), (4, True), (8, True),
+                                         (8, False)])
+def test_state_bytes_per_device_match_the_schedule_and_scale(n, explicit):
+  """Also on an Auto mesh, where jit would replicate adam's moments unless told."""
   from gpt import GPTConfig, abstract_setup
   cfg = GPTConfig(d_model=64, n_layer=2, n_head=4, d_ff=128, seq_len=16)
   loss, shapes, batch_shapes = abstract_setup(cfg, batch_size=8)
   params = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), shapes)
-  mesh = mesh_of(n)
+  mesh = mesh_of(n, explicit=explicit)
   schedule = zjax.compile_schedule(loss, shapes, batch_shapes, mesh=mesh,
                                    config=zjax.ZeroConfig(param_persistence_threshold=256))
   state = zjax.zero3(loss, optax.adam(1e-3), schedule, mesh=mesh).init(params)

@@ -317,7 +317,7 @@ def matching_leaves(tree, schedule, what):
 
 def _check_leaf(leaf, entry):
   shape = tuple(np.shape(leaf))
-  dtype = jnp.dtype(getattr(leaf, "dtype", np.asarray(leaf).dtype))
+  dtype = jnp.dtype(leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype)
   if shape != tuple(entry.shape) or dtype.name != entry.dtype:
     raise ZjaxError(f"Parameter {entry.path} is {dtype.name}{list(shape)}, but the schedule "
                     f"expects {entry.dtype}{list(entry.shape)}.")

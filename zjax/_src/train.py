@@ -105,7 +105,10 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
                              jax.tree.leaves(trainable(sharded)),
                              name=optcheck.transform_name(optimizer))
     with jax.set_mesh(mesh):  # optax creates unsharded scalars: Explicit meshes need context
-      opt_state = jax.jit(masked_opt.init)(sharded)
+      # explicit output shardings: on Auto axes jit would otherwise replicate the moments
+      shardings = _opt_state_shardings(jax.eval_shape(masked_opt.init, sharded), schedule,
+                                       mesh)
+      opt_state = jax.jit(masked_opt.init, out_shardings=shardings)(sharded)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=sharded, opt_state=opt_state,
                        # copies: the state is donated, the caller's arrays must survive
                        extra=jax.tree.map(lambda x: jnp.array(x, copy=True), extra))
@@ -151,20 +154,28 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
     with jax.set_mesh(mesh):
       opt_state = jax.eval_shape(masked_opt.init, params)
     replicated = NamedSharding(mesh, P())
-
-    def with_sharding(path, leaf):
-      index = layout.mirrored_param(jax.tree_util.keystr(path), leaf.shape, schedule)
-      return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
-                                  sharding=replicated if index is None else shardings[index])
-
+    opt_shardings = _opt_state_shardings(opt_state, schedule, mesh)
     return TrainState(
         step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params=params,
-        opt_state=jax.tree_util.tree_map_with_path(with_sharding, opt_state),
+        opt_state=jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                               opt_state, opt_shardings),
         extra=jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                           sharding=replicated), extra))
 
   return Zero3(init=init, init_from=init_from, step=step, gather_params=gather_params,
                abstract_state=abstract_state, schedule=schedule, mesh=mesh)
+
+
+def _opt_state_shardings(opt_shapes, schedule, mesh):
+  """Each optimizer leaf that mirrors a parameter (adam's mu, nu) sharded like it; the rest
+  (step counts, scalars) replicated."""
+  specs = layout.param_specs(schedule)
+
+  def sharding(path, leaf):
+    index = layout.mirrored_param(jax.tree_util.keystr(path), leaf.shape, schedule)
+    return NamedSharding(mesh, P() if index is None else specs[index])
+
+  return jax.tree_util.tree_map_with_path(sharding, opt_shapes)
 
 
 def _params_tree(schedule, leaves):

@@ -3,12 +3,10 @@ zjax/job/). Settings: embedded defaults < --config FILE (JSON or TOML) < flags."
 
 import argparse
 import dataclasses
-import os
 import sys
 
+from zjax.cli import devices
 from zjax.job import settings as settings_lib
-
-_BARRIER_FLAG = "--xla_disable_hlo_passes=cse_barrier_expander"
 
 
 def add_parser(subparsers) -> None:
@@ -39,17 +37,8 @@ def run(args) -> int:
   except settings_lib.SettingsError as e:
     print(f"zjax train: error: {e}", file=sys.stderr)
     return 2
-  _configure_devices(settings.devices)
+  devices.setup(settings.devices)
   from rich.console import Console  # after the device setup: jax must not start earlier
   from zjax.job.run import train
   train(settings, Console())
   return 0
-
-
-def _configure_devices(num_devices: int) -> None:
-  """Simulated CPU devices and barrier-keeping XLA (DESIGN.md), before the backend starts."""
-  flags = os.environ.get("XLA_FLAGS", "")
-  if _BARRIER_FLAG not in flags:
-    os.environ["XLA_FLAGS"] = (flags + " " + _BARRIER_FLAG).strip()
-  import jax
-  jax.config.update("jax_num_cpu_devices", max(num_devices, 1))

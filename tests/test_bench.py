@@ -1,0 +1,41 @@
+"""`zjax bench` at tiny size: structure only (never speed), in a subprocess."""
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_runs_and_writes_json_and_plots(tmp_path):
+  done = subprocess.run(
+      [sys.executable, "-m", "zjax.cli.main", "bench", "--layers", "1", "--d-model", "32",
+       "--batch", "8", "--devices", "4", "--rounds", "1", "--steps-per-round", "1",
+       "--scale-devices", "1", "2", "--scale-layers", "1", "2",
+       "--json", str(tmp_path / "bench.json"), "--plots", str(tmp_path)],
+      capture_output=True, text=True, timeout=900)
+  assert done.returncode == 0, done.stderr[-3000:]
+  results = json.loads((tmp_path / "bench.json").read_text())
+  methods = [r["method"] for r in results["compare"]]
+  assert methods == ["zjax", "zjax_scanned", "gspmd_fsdp", "data_parallel"]
+  rows = {r["method"]: r for r in results["compare"]}
+  for name in ("zjax", "zjax_scanned"):  # measured collectives are the schedule's
+    r = rows[name]
+    assert (r["all_gather_bytes"], r["reduce_scatter_bytes"]) == \
+        (r["predicted_all_gather_bytes"], r["predicted_reduce_scatter_bytes"])
+  assert rows["data_parallel"]["all_gather_count"] == 0
+  for r in results["compare"]:
+    assert r["step_seconds_min"] <= r["step_seconds_median"] <= r["step_seconds_max"]
+    assert r["state_bytes"] > 0 and r["flops"] > 0
+  assert {(r["devices"], r["method"]) for r in results["devices"]} == {
+      (n, m) for n in (1, 2) for m in ("zjax", "gspmd_fsdp", "data_parallel")}
+  assert {r["layers"] for r in results["depth"]} == {1, 2}
+  assert sorted(p.name for p in tmp_path.glob("*.png")) == [
+      "memory_vs_depth.png", "memory_vs_devices.png", "step_time.png"]
+  assert "time / gspmd" in done.stdout
+
+
+def test_bench_bad_input_exits_2(tmp_path):
+  done = subprocess.run([sys.executable, "-m", "zjax.cli.main", "bench", "--batch", "10",
+                         "--devices", "4"], capture_output=True, text=True, timeout=300,
+                        cwd=tmp_path)
+  assert done.returncode == 2 and "not divisible" in done.stderr
+  assert list(tmp_path.iterdir()) == []

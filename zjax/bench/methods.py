@@ -1,0 +1,75 @@
+"""The methods `zjax bench` compares, each a compiled training step (loss, gradients and an
+optax adamw update) on the same mesh and batch:
+
+  zjax           the zero3 trainer running the model's schedule (unrolled layers)
+  zjax_scanned   the same with the layers stacked by nn.scan (per-iteration gathers)
+  gspmd_fsdp     JAX's default FSDP: every parameter sharded along its largest dimension
+                 divisible by N, the batch sharded, jax.jit(value_and_grad + optax); XLA
+                 inserts the collectives
+  data_parallel  parameters and optimizer state replicated, the batch sharded
+"""
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import zjax
+from zjax._src import layout
+
+
+@dataclasses.dataclass
+class Method:
+  name: str
+  compiled: Any  # the compiled training step
+  run: Callable[[], Any]  # one step (state carried inside); returns the loss
+  state: Callable[[], Any]  # the current (params, optimizer state)
+  schedule: Any = None  # zjax only
+
+
+def zjax_method(name, loss_fn, params, batch, mesh, config, optimizer) -> Method:
+  schedule = zjax.compile_schedule(loss_fn, params, batch, mesh=mesh, config=config)
+  trainer = zjax.zero3(loss_fn, optimizer, schedule, mesh=mesh)
+  box = [trainer.init(params)]
+  compiled = trainer.step.lower(box[0], batch).compile()
+
+  def run():
+    box[0], metrics = trainer.step(box[0], batch)
+    return metrics["loss"]
+
+  return Method(name, compiled, run, lambda: (box[0].params, box[0].opt_state), schedule)
+
+
+def gspmd_method(name, loss_fn, params, batch, mesh, optimizer, shard_params) -> Method:
+  axis, n = mesh.axis_names[0], mesh.devices.size
+  spec = (lambda x: layout.largest_dim_spec(x.shape, n, axis)) if shard_params else \
+      (lambda x: P())
+  placed = jax.tree.map(  # copies: the step donates them, the caller's params must survive
+      lambda x: jax.device_put(jnp.array(x, copy=True), NamedSharding(mesh, spec(x))), params)
+  placed_batch = jax.tree.map(
+      lambda x: jax.device_put(x, NamedSharding(mesh, P(axis) if x.ndim else P())), batch)
+  opt_state = jax.jit(optimizer.init)(placed)  # moments follow their params' sharding
+  mesh_devices = set(mesh.devices.flat)
+  opt_state = jax.tree.map(  # scalars (step counts) made on one device: replicate them
+      lambda x: x if x.sharding.device_set == mesh_devices else
+      jax.device_put(x, NamedSharding(mesh, P())), opt_state)
+  shardings = (jax.tree.map(lambda x: x.sharding, placed),
+               jax.tree.map(lambda x: x.sharding, opt_state), NamedSharding(mesh, P()))
+
+  def train_step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  step = jax.jit(train_step, out_shardings=shardings, donate_argnums=(0, 1))
+  compiled = step.lower(placed, opt_state, placed_batch).compile()
+  box = [placed, opt_state]
+
+  def run():
+    box[0], box[1], loss = compiled(box[0], box[1], placed_batch)
+    return loss
+
+  return Method(name, compiled, run, lambda: (box[0], box[1]))

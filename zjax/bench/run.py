@@ -1,0 +1,292 @@
+"""`zjax bench`: zjax vs GSPMD FSDP vs data parallel on one mesh and one batch, measured side
+by side (DESIGN.md §3), plus scaling with the device count and with depth.
+
+Per method: per-device state (params + optimizer state actually held), `memory_analysis()`
+temp/argument bytes, the collectives as executed (a while body's once per iteration) from
+the compiled HLO, flops from `cost_analysis()`, compile time, and step time as the median
+(min, max) of interleaved rounds A B C D A B C D ... Floors: state 12 bytes per fp32
+parameter / N (parameter + adam's two moments; ZeRO's 16Ψ/N counts fp16 copies and
+gradients too), communication 3Ψ (forward all-gather, backward all-gather, reduce-scatter;
+every collective counted by its full buffer, the convention of `Schedule.report()`).
+"""
+
+import dataclasses
+import json
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from rich.table import Table
+
+import zjax
+from zjax._src import hlo, layout
+from zjax._src.render import format_bytes
+from zjax.bench.methods import gspmd_method, zjax_method
+
+ADAM_BYTES_PER_PARAM_BYTE = 3  # the parameter and adam's mu and nu
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+  loss_fn: object
+  params: object
+  batch: object
+  config: object  # ZeroConfig
+  scanned: "Model | None" = None  # the same model with its layers stacked (GPT only)
+
+
+def gpt_model(layers: int, d_model: int, batch_size: int, seq_len: int = 64) -> Model:
+  from zjax.models.gpt import GPT, GPTConfig, make_loss_fn
+
+  def build(scan):
+    cfg = GPTConfig(n_layer=layers, d_model=d_model, d_ff=4 * d_model, seq_len=seq_len,
+                    scan_layers=scan)
+    model = GPT(cfg)
+    tokens = jax.random.randint(jax.random.key(0), (batch_size, seq_len + 1), 0,
+                                cfg.vocab_size)
+    params = model.init(jax.random.key(1), tokens[:1, :-1])
+    block = 4 * d_model ** 2 + 2 * d_model * 4 * d_model
+    # ZeRO-3's memory regime: one block ahead, release after every use
+    config = zjax.ZeroConfig(prefetch_bucket_size=block, max_reuse_distance=0,
+                             param_persistence_threshold=4096)
+    return Model(make_loss_fn(model), params, {"tokens": tokens}, config)
+
+  return dataclasses.replace(build(False), scanned=build(True))
+
+
+def target_model(spec: str) -> Model:
+  """A user's `module:function` / `path.py:function` (as for `zjax inspect`), with shapes
+  made concrete: floats normal * 0.02, integers zero."""
+  from zjax.cli.target import load_target
+  target = load_target(spec)
+  keys = iter(jax.random.split(jax.random.key(0), len(jax.tree.leaves(
+      (target.params, target.batch)))))
+
+  def concrete(x):
+    key = next(keys)
+    if isinstance(x, jax.Array):
+      return x
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      return (jax.random.normal(key, x.shape) * 0.02).astype(x.dtype)
+    return jnp.zeros(x.shape, x.dtype)
+
+  return Model(target.loss_fn, jax.tree.map(concrete, target.params),
+               jax.tree.map(concrete, target.batch), target.config or zjax.ZeroConfig())
+
+
+def build_methods(model: Model, mesh, optimizer, scanned=True) -> list:
+  methods = [("zjax", lambda: zjax_method("zjax", model.loss_fn, model.params, model.batch,
+                                          mesh, model.config, optimizer))]
+  if scanned and model.scanned is not None:
+    s = model.scanned
+    methods.append(("zjax_scanned", lambda: zjax_method(
+        "zjax_scanned", s.loss_fn, s.params, s.batch, mesh, s.config, optimizer)))
+  methods += [
+      ("gspmd_fsdp", lambda: gspmd_method("gspmd_fsdp", model.loss_fn, model.params,
+                                          model.batch, mesh, optimizer, True)),
+      ("data_parallel", lambda: gspmd_method("data_parallel", model.loss_fn, model.params,
+                                             model.batch, mesh, optimizer, False))]
+  out = []
+  for _, make in methods:
+    start = time.perf_counter()
+    method = make()
+    out.append((method, time.perf_counter() - start))
+  return out
+
+
+def compare(model: Model, mesh, rounds: int, steps_per_round: int) -> list[dict]:
+  """The side-by-side table: one row per method."""
+  optimizer = optax.adamw(1e-3)
+  built = build_methods(model, mesh, optimizer)
+  times = _interleaved_times([m for m, _ in built], rounds, steps_per_round)
+  psi = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(model.params))
+  itemsize = jax.tree.leaves(model.params)[0].dtype.itemsize
+  n = mesh.devices.size
+  rows = []
+  for method, seconds in built:
+    row = {"method": method.name, "compile_seconds": seconds,
+           **_measured(method), **_timing(times[method.name])}
+    row["state_vs_floor"] = row["state_bytes"] / (ADAM_BYTES_PER_PARAM_BYTE * psi * itemsize / n)
+    row["comm_vs_3psi"] = (row["all_gather_bytes"] + row["reduce_scatter_bytes"] +
+                           row["all_reduce_bytes"]) / (3 * psi * itemsize)
+    if method.schedule is not None:
+      row.update(_predicted(method.schedule, n))
+      row["state_vs_floor_plus_persistent"] = \
+          row["state_bytes"] / row["state_floor_plus_persistent_bytes"]
+    rows.append(row)
+  base = next(r for r in rows if r["method"] == "gspmd_fsdp")
+  for r in rows:
+    r["time_vs_gspmd"] = r["step_seconds_median"] / base["step_seconds_median"]
+    r["temp_vs_gspmd"] = r["temp_bytes"] / max(base["temp_bytes"], 1)
+  return rows
+
+
+def _measured(method) -> dict:
+  summary = hlo.summarize(method.compiled)
+  executed = hlo.executed(method.compiled.as_text())
+  row = {k: summary[k] for k in ("temp_bytes", "argument_bytes", "output_bytes", "alias_bytes",
+                                 "flops")}
+  for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+    row[f"{kind}_count"] = executed.get(f"{kind}_count", 0)
+    row[f"{kind}_bytes"] = executed.get(f"{kind}_bytes", 0)
+  row["state_bytes"] = layout.per_device_bytes(method.state())
+  return row
+
+
+def _predicted(schedule, n) -> dict:
+  report = schedule.report()
+  state_floor = sum(
+      ADAM_BYTES_PER_PARAM_BYTE * (p.size if p.persistent else p.size / n) *
+      jnp.dtype(p.dtype).itemsize for p in schedule.params)
+  return {"predicted_all_gather_bytes": report["all_gather_bytes"],
+          "predicted_reduce_scatter_bytes": report["reduce_scatter_bytes"],
+          "predicted_all_gather_count": report["all_gather_count"],
+          "predicted_reduce_scatter_count": report["reduce_scatter_count"],
+          "state_floor_plus_persistent_bytes": state_floor}
+
+
+def _timing(samples) -> dict:
+  return {"step_seconds_median": statistics.median(samples), "step_seconds_min": min(samples),
+          "step_seconds_max": max(samples)}
+
+
+def _interleaved_times(methods, rounds, steps) -> dict[str, list[float]]:
+  for method in methods:  # warm up
+    jax.block_until_ready(method.run())
+  times = {m.name: [] for m in methods}
+  for _ in range(rounds):
+    for method in methods:
+      start = time.perf_counter()
+      for _ in range(steps):
+        out = method.run()
+      jax.block_until_ready(out)
+      times[method.name].append((time.perf_counter() - start) / steps)
+  return times
+
+
+def scale_devices(model: Model, counts) -> list[dict]:
+  """Per-device state and temp of each method for each device count (compile only)."""
+  rows = []
+  for n in counts:
+    mesh = _mesh(n)
+    for method, _ in build_methods(model, mesh, optax.adamw(1e-3), scanned=False):
+      row = _measured(method)
+      rows.append({"devices": n, "method": method.name, "state_bytes": row["state_bytes"],
+                   "temp_bytes": row["temp_bytes"]})
+  return rows
+
+
+def scale_depth(make_model, depths, mesh) -> list[dict]:
+  """Per-device temp of each method for each depth (compile only)."""
+  rows = []
+  for depth in depths:
+    for method, seconds in build_methods(make_model(depth), mesh, optax.adamw(1e-3)):
+      rows.append({"layers": depth, "method": method.name,
+                   "temp_bytes": int(method.compiled.memory_analysis().temp_size_in_bytes),
+                   "compile_seconds": seconds})
+  return rows
+
+
+def _mesh(n):
+  return jax.make_mesh((n,), ("fsdp",), devices=jax.devices()[:n],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def machine() -> dict:
+  device = jax.devices()[0]
+  return {"platform": device.platform, "device_kind": device.device_kind,
+          "devices_present": jax.device_count(), "cpu": platform.processor() or
+          platform.machine(), "jax": jax.__version__,
+          "date": time.strftime("%Y-%m-%d")}
+
+
+# ---- output ------------------------------------------------------------------------------
+
+def main_tables(rows, n) -> list[Table]:
+  """Two tables (memory; communication and time), one row per method."""
+  base = next(r for r in rows if r["method"] == "gspmd_fsdp")["step_seconds_median"]
+  groups = [
+      ("memory", [("state", "state_bytes"), ("state / floor", "state_vs_floor"),
+                  ("temp", "temp_bytes"), ("temp / gspmd", "temp_vs_gspmd"),
+                  ("arguments", "argument_bytes")]),
+      ("communication and time", [
+          ("AG", "all_gather_count"), ("AG bytes", "all_gather_bytes"),
+          ("RS", "reduce_scatter_count"), ("RS bytes", "reduce_scatter_bytes"),
+          ("AR bytes", "all_reduce_bytes"), ("comm / 3Ψ", "comm_vs_3psi"),
+          ("GFLOP", "flops"), ("compile s", "compile_seconds"),
+          ("time / gspmd (min-max)", "time_vs_gspmd")])]
+  tables = []
+  for title, cols in groups:
+    table = Table(title=f"zjax bench, {title}: {n} devices, per device and training step")
+    table.add_column("method")
+    for head, _ in cols:
+      table.add_column(head, justify="right")
+    for r in rows:
+      table.add_row(r["method"], *[_cell(r, key, base) for _, key in cols])
+    tables.append(table)
+  return tables
+
+
+def _cell(r, key, base) -> str:
+  value = r[key]
+  if key == "time_vs_gspmd":
+    return (f"{value:.2f} ({r['step_seconds_min'] / base:.2f}-"
+            f"{r['step_seconds_max'] / base:.2f})")
+  if key == "flops":
+    return f"{value / 1e9:.2f}"
+  if key.endswith("bytes"):
+    return format_bytes(value)
+  return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
+def plot(results: dict, directory) -> list[str]:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  written = []
+
+  def save(fig, name):
+    path = f"{directory}/{name}"
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    written.append(path)
+
+  for key, x, y, name, xlabel, ylabel in (
+      ("devices", "devices", "state_bytes", "memory_vs_devices.png", "devices N",
+       "per-device state (MiB)"),
+      ("depth", "layers", "temp_bytes", "memory_vs_depth.png", "layers L",
+       "per-device temp (MiB)")):
+    rows = results.get(key) or []
+    if not rows:
+      continue
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in dict.fromkeys(r["method"] for r in rows):
+      pts = [r for r in rows if r["method"] == method]
+      ax.plot([r[x] for r in pts], [r[y] / 2**20 for r in pts], "o-", label=method)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    save(fig, name)
+  rows = results["compare"]
+  fig, ax = plt.subplots(figsize=(6, 4))
+  base = next(r for r in rows if r["method"] == "gspmd_fsdp")["step_seconds_median"]
+  medians = [r["step_seconds_median"] / base for r in rows]
+  errors = [[m - r["step_seconds_min"] / base for m, r in zip(medians, rows)],
+            [r["step_seconds_max"] / base - m for m, r in zip(medians, rows)]]
+  ax.bar([r["method"] for r in rows], medians, yerr=errors, capsize=4)
+  ax.axhline(1.0, color="gray", lw=0.8)
+  ax.set_ylabel("step time / GSPMD FSDP (median, min-max)")
+  save(fig, "step_time.png")
+  return written
+
+
+def write_json(results: dict, path) -> None:
+  with open(path, "w") as f:
+    json.dump(results, f, indent=1, default=float)

@@ -1,0 +1,71 @@
+"""`zjax bench`: compare zjax with GSPMD FSDP and data parallel on one model, mesh and
+batch (see zjax/bench/run.py for what is measured and how)."""
+
+import pathlib
+
+from zjax.cli import devices
+
+
+def add_parser(subparsers) -> None:
+  p = subparsers.add_parser(
+      "bench", help="zjax vs GSPMD FSDP vs data parallel: memory, communication, time",
+      description="Compiles and runs one training step (loss, gradients, adamw) of each "
+                  "method on the same mesh and batch; prints a table, writes JSON and PNG "
+                  "plots. Step times are medians of interleaved rounds.")
+  p.add_argument("--model", default="gpt", help="'gpt' (zjax/models/gpt.py; also scanned) or "
+                 "PATH.py:FUNCTION / MODULE:FUNCTION as for zjax inspect")
+  p.add_argument("--devices", type=int, default=8)
+  p.add_argument("--layers", type=int, default=8, help="GPT layers")
+  p.add_argument("--d-model", type=int, default=128, help="GPT width")
+  p.add_argument("--batch", type=int, default=16, help="GPT global batch (sequences)")
+  p.add_argument("--rounds", type=int, default=7)
+  p.add_argument("--steps-per-round", type=int, default=3)
+  p.add_argument("--scale-devices", type=int, nargs="*", default=[1, 2, 4, 8],
+                 help="device counts of the state-vs-N sweep (empty: skip)")
+  p.add_argument("--scale-layers", type=int, nargs="*", default=[4, 8, 16, 32],
+                 help="depths of the temp-vs-L sweep, GPT only (empty: skip)")
+  p.add_argument("--json", metavar="FILE", default="bench.json")
+  p.add_argument("--plots", metavar="DIR", default=".", help="where the PNGs go")
+  p.set_defaults(run=run)
+
+
+def run(args) -> int:
+  for name in ("devices", "layers", "d_model", "batch", "rounds", "steps_per_round"):
+    if getattr(args, name) < 1:
+      raise ValueError(f"--{name.replace('_', '-')} must be a positive integer.")
+  if args.batch % args.devices:
+    raise ValueError(f"--batch {args.batch} is not divisible by --devices {args.devices}.")
+  if not pathlib.Path(args.plots).is_dir():
+    raise ValueError(f"--plots {args.plots} is not a directory.")
+  devices.setup(max([args.devices, *args.scale_devices]))
+  import jax
+  from rich.console import Console
+
+  from zjax.bench import run as bench
+  console = Console()
+  if not console.is_terminal:  # logs and CI: wide enough for the tables
+    console = Console(width=140)
+  if jax.device_count() < args.devices:
+    raise ValueError(f"--devices {args.devices}: only {jax.device_count()} present.")
+  gpt = args.model == "gpt"
+  make = (lambda layers: bench.gpt_model(layers, args.d_model, args.batch)) if gpt else None
+  model = make(args.layers) if gpt else bench.target_model(args.model)
+  mesh = bench._mesh(args.devices)
+  settings = {k: v for k, v in vars(args).items() if k != "run"}
+  results = {"machine": bench.machine(), "settings": settings}
+  results["compare"] = bench.compare(model, mesh, args.rounds, args.steps_per_round)
+  for table in bench.main_tables(results["compare"], args.devices):
+    console.print(table)
+  counts = [n for n in args.scale_devices if n <= jax.device_count()]
+  results["devices"] = bench.scale_devices(model, counts) if counts else []
+  results["depth"] = bench.scale_depth(make, args.scale_layers, mesh) if gpt and \
+      args.scale_layers else []
+  for key, x in (("devices", "devices"), ("depth", "layers")):
+    for row in results[key]:
+      console.print(f"{key}: {x}={row[x]:>3} {row['method']:>14}  "
+                    + "  ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in row.items()
+                                if k.endswith("bytes")))
+  bench.write_json(results, args.json)
+  written = bench.plot(results, args.plots)
+  console.print(f"wrote {args.json}, " + ", ".join(written))
+  return 0
