@@ -51,7 +51,7 @@ def gspmd_method(name, loss_fn, params, batch, mesh, optimizer, shard_params) ->
       lambda x: jax.device_put(jnp.array(x, copy=True), NamedSharding(mesh, spec(x))), params)
   placed_batch = jax.tree.map(
       lambda x: jax.device_put(x, NamedSharding(mesh, P(axis) if x.ndim else P())), batch)
-  opt_state = jax.jit(optimizer.init)(placed)  # moments follow their params' sharding
+  opt_state = optimizer.init(placed)  # eager: each moment keeps its parameter's sharding
   mesh_devices = set(mesh.devices.flat)
   opt_state = jax.tree.map(  # scalars (step counts) made on one device: replicate them
       lambda x: x if x.sharding.device_set == mesh_devices else
