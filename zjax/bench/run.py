@@ -172,7 +172,7 @@ def scale_devices(model: Model, counts) -> list[dict]:
   """Per-device state and temp of each method for each device count (compile only)."""
   rows = []
   for n in counts:
-    mesh = _mesh(n)
+    mesh = mesh_of(n)
     for method, _ in build_methods(model, mesh, optax.adamw(1e-3), scanned=False):
       row = _measured(method)
       rows.append({"devices": n, "method": method.name, "state_bytes": row["state_bytes"],
@@ -191,7 +191,7 @@ def scale_depth(make_model, depths, mesh) -> list[dict]:
   return rows
 
 
-def _mesh(n):
+def mesh_of(n):
   return jax.make_mesh((n,), ("fsdp",), devices=jax.devices()[:n],
                        axis_types=(jax.sharding.AxisType.Auto,))
 

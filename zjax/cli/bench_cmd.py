@@ -50,7 +50,7 @@ def run(args) -> int:
   gpt = args.model == "gpt"
   make = (lambda layers: bench.gpt_model(layers, args.d_model, args.batch)) if gpt else None
   model = make(args.layers) if gpt else bench.target_model(args.model)
-  mesh = bench._mesh(args.devices)
+  mesh = bench.mesh_of(args.devices)
   settings = {k: v for k, v in vars(args).items() if k != "run"}
   results = {"machine": bench.machine(), "settings": settings}
   results["compare"] = bench.compare(model, mesh, args.rounds, args.steps_per_round)
