@@ -52,6 +52,12 @@ def test_train_end_to_end_then_resume_on_other_devices_scanned(tmp_path):
   assert [row["step"] for row in metrics["train"]] == list(range(1, 11))
   assert metrics["train"][-1]["loss"] < losses[0] - 0.5
 
+  # a finished run started again: nothing left to train, the outputs are rewritten
+  third = zjax_cli("train", *TINY, "--steps", "10", "--devices", "2", "--lr", "1e-2",
+                   "--scan", "--out-dir", str(out))
+  assert third.returncode == 0 and "resumed from step 10" in third.stdout, third.stderr[-3000:]
+  assert len(json.loads((out / "metrics.json").read_text())["train"]) == 10
+
   # the export example turns the run's checkpoint into plain Flax params for model.apply
   printed = example("export_checkpoint.py", str(out))
   assert "exported" in printed and "next byte" in printed

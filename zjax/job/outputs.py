@@ -17,8 +17,8 @@ ADAM_STATE_FACTOR = 2  # adam's mu and nu, each shaped like the parameters
 
 def plan_table(schedule, num_params: int, param_bytes: int) -> Table:
   """Predicted per-device state and communication per step: zjax vs plain data parallel
-  (replicated params, grads and adam state; gradients all-reduced, 2x their bytes on a
-  ring)."""
+  (replicated params, grads and adam state). Communication as ring traffic: an all-gather
+  or reduce-scatter moves about its buffer, an all-reduce twice its buffer."""
   report = schedule.report()
   n = schedule.num_devices
   state = report["state_bytes_per_device"]
@@ -32,7 +32,8 @@ def plan_table(schedule, num_params: int, param_bytes: int) -> Table:
   table.add_row("gathered params (peak)", format_bytes(report["peak_live_param_bytes"]), "-")
   comm = report["all_gather_bytes"] + report["reduce_scatter_bytes"] + \
       report["persistent_grad_all_reduce_bytes"] * 2
-  table.add_row("communication", format_bytes(comm), format_bytes(2 * param_bytes))
+  table.add_row("communication (ring traffic)", format_bytes(comm),
+                format_bytes(2 * param_bytes))
   table.add_row("collectives", f"{report['all_gather_count']} all-gather, "
                 f"{report['reduce_scatter_count']} reduce-scatter", "1 all-reduce")
   return table

@@ -46,7 +46,7 @@ def train(settings, console: Console) -> dict:
       data.train, step, settings.batch, settings.seq_len, settings.seed)}
   evaluate = _evaluator(loss_fn, trainer, data.validation, settings)
   tokens_per_step = settings.batch * settings.seq_len
-  timed_steps, timed_seconds = 0, 0.0
+  timed_steps, timed_seconds, speed = 0, 0.0, 0.0
   with _progress(console, settings) as progress:
     task = progress.add_task("train", total=settings.steps, completed=first_step,
                              loss=float("nan"), speed=0.0)
