@@ -58,6 +58,12 @@ def test_train_end_to_end_then_resume_on_other_devices_scanned(tmp_path):
   assert third.returncode == 0 and "resumed from step 10" in third.stdout, third.stderr[-3000:]
   assert len(json.loads((out / "metrics.json").read_text())["train"]) == 10
 
+  # resume off on a directory with checkpoints: refused, nothing touched
+  before = sorted(p.name for p in (out / "checkpoints").iterdir())
+  refused = zjax_cli("train", *TINY, "--no-resume", "--out-dir", str(out))
+  assert refused.returncode == 2 and "--no-resume" in refused.stderr
+  assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
+
   # the export example turns the run's checkpoint into plain Flax params for model.apply
   printed = example("export_checkpoint.py", str(out))
   assert "exported" in printed and "next byte" in printed

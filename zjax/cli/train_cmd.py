@@ -33,6 +33,7 @@ def run(args) -> int:
   try:
     file_values = settings_lib.load_file(args.config) if args.config else {}
     settings = settings_lib.make_settings(file_values, flags)
+    settings_lib.check_resume(settings)
     settings_lib.prepare_directory(settings.checkpoint_dir)
   except settings_lib.SettingsError as e:
     print(f"zjax train: error: {e}", file=sys.stderr)

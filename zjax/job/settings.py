@@ -36,6 +36,7 @@ class TrainSettings:
   eval_batches: int = 4
   checkpoint_every: int = 100
   out_dir: str = "zjax_run"  # metrics.json, loss.png, sample.txt, checkpoints/
+  resume: bool = True  # continue from the latest checkpoint in out_dir/checkpoints
   sample_bytes: int = 240
   log_every: int = 10  # progress lines when the output is not a terminal
 
@@ -97,6 +98,16 @@ def make_settings(file_values: dict, flag_values: dict) -> TrainSettings:
     elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
       raise SettingsError(f"setting {name} must be a {expected.__name__}, got {value!r}.")
   return TrainSettings(**values)
+
+
+def check_resume(settings: "TrainSettings") -> None:
+  """With resume off, an output directory that already holds checkpoints is refused (a new
+  run would collide with their steps)."""
+  directory = settings.checkpoint_dir
+  if not settings.resume and directory.is_dir() and any(
+      p.name.isdigit() for p in directory.iterdir()):
+    raise SettingsError(f"{directory} already holds checkpoints and --no-resume was given: "
+                        f"choose a new --out-dir, or drop --no-resume to continue that run.")
 
 
 def prepare_directory(directory: pathlib.Path) -> None:
