@@ -8,6 +8,7 @@ Public API (everything else lives in `zjax._src` and may change):
   shard / unshard   natural-shape params <-> the schedule's sharded layout
   value_and_grad    a jitted (sharded_params, batch) -> (loss, sharded_grads) running a schedule
   zjax.hlo          collectives and memory of a compiled program
+  zjax.distributed  join a multi-process run (zjax launch), feed per-process batches
   zero3             the trainer: init / step / gather_params, optax on the shards
   CheckpointManager orbax checkpoints: async sharded save, restore on any device count
   export_params     a checkpoint's natural-shape params (numpy), optionally as plain orbax
@@ -15,7 +16,7 @@ Public API (everything else lives in `zjax._src` and may change):
 
 from zjax._src.checkpoint import CheckpointError, CheckpointManager, export_params
 from zjax._src.config import ZeroConfig
-from zjax import hlo
+from zjax import distributed, hlo
 from zjax._src.errors import ScheduleError, ScheduleMismatchError, TraceError, ZjaxError
 from zjax._src.execute import value_and_grad
 from zjax._src.layout import per_device_bytes, shard, unshard
@@ -25,6 +26,7 @@ from zjax._src.schedule import Schedule
 from zjax._src.trace import trace_program
 
 __all__ = [
+    "distributed",
     "ZeroConfig",
     "compile_schedule",
     "Schedule",

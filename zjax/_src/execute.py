@@ -52,6 +52,8 @@ def value_and_grad(loss_fn: Callable, schedule, *, mesh) -> Callable:
     >>> step.lower(sharded, batch).compile().as_text()                # doctest: +SKIP
   """
   layout.check_mesh(schedule, mesh)
+  from zjax.distributed import check_same_schedule  # multi-process: fail, do not hang
+  check_same_schedule(schedule)
   runner = _Runner(loss_fn, schedule, mesh)
   return jax.jit(runner.step)
 

@@ -4,7 +4,7 @@ import argparse
 import sys
 
 from zjax._src.errors import ZjaxError
-from zjax.cli import bench_cmd, inspect_cmd, train_cmd
+from zjax.cli import bench_cmd, inspect_cmd, launch_cmd, train_cmd
 from zjax.cli.target import TargetError
 
 
@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
   inspect_cmd.add_parser(subparsers)
   train_cmd.add_parser(subparsers)
   bench_cmd.add_parser(subparsers)
+  launch_cmd.add_parser(subparsers)
   return parser
 
 

@@ -1,0 +1,77 @@
+"""The GPT example trained by several processes as one run (`zjax launch`), or by one.
+
+  zjax launch --nproc 2 --devices-per-process 4 -- python examples/distributed_gpt.py --steps 5
+  python examples/distributed_gpt.py --steps 5          # the same run in one process
+
+Each process feeds only its rows of every global batch (`zjax.distributed.global_batch`);
+process 0 writes the losses and the final params to --out (JSON).
+"""
+
+import argparse
+import json
+import os
+
+import zjax
+
+joined = zjax.distributed.initialize()  # first: before any JAX computation
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from zjax.models.gpt import GPT, GPTConfig, make_loss_fn  # noqa: E402
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=5)
+p.add_argument("--layers", default="2", help="layers, or one count per process (a test of "
+               "the schedule check), e.g. 2,3")
+p.add_argument("--save", default=None, help="checkpoint directory to save the end state to")
+p.add_argument("--restore", default=None, help="checkpoint directory to start from")
+p.add_argument("--die-at-step", type=int, default=None, help="process 1 exits there (a test)")
+p.add_argument("--out", default=None)
+args = p.parse_args()
+if not joined:
+  from zjax.cli.devices import setup
+  setup(8)
+
+layers = [int(x) for x in args.layers.split(",")]
+cfg = GPTConfig(d_model=32, n_layer=layers[jax.process_index() % len(layers)], n_head=2,
+                d_ff=64, seq_len=16)
+model, batch_size = GPT(cfg), 8
+loss_fn = make_loss_fn(model)
+mesh = jax.make_mesh((jax.device_count(),), ("fsdp",))
+tokens0 = jax.ShapeDtypeStruct((batch_size, cfg.seq_len + 1), jnp.int32)
+shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, cfg.seq_len), jnp.int32))
+schedule = zjax.compile_schedule(loss_fn, shapes, {"tokens": tokens0}, mesh=mesh,
+                                 config=zjax.ZeroConfig(param_persistence_threshold=256))
+trainer = zjax.zero3(loss_fn, optax.adamw(1e-2, eps=1e-6), schedule, mesh=mesh)
+if args.restore:
+  state = zjax.CheckpointManager(args.restore, trainer).restore()
+else:
+  state = trainer.init_from(model.init, jax.random.key(0), jnp.zeros((1, cfg.seq_len), jnp.int32))
+
+
+def local_rows(step):  # the global batch is a function of the step; take this process's rows
+  rows = np.random.default_rng(step).integers(0, 257, (batch_size, cfg.seq_len + 1))
+  per = batch_size // jax.process_count()
+  return {"tokens": rows[jax.process_index() * per:(jax.process_index() + 1) * per]
+          .astype(np.int32)}
+
+
+losses = []
+for step in range(args.steps):
+  if args.die_at_step == step and jax.process_index() == 1:
+    os._exit(9)  # a crash: no cleanup, no goodbye to the others
+  state, metrics = trainer.step(state, zjax.distributed.global_batch(local_rows(step), mesh))
+  losses.append(float(metrics["loss"]))
+  print(f"step {step}: loss {losses[-1]:.5f}", flush=True)
+if args.save:
+  with zjax.CheckpointManager(args.save, trainer) as ckpt:
+    ckpt.save(int(state.step), state)
+params = jax.device_get(trainer.gather_params(state))
+if args.out and jax.process_index() == 0:
+  flat = {jax.tree_util.keystr(k): np.asarray(v).tolist()
+          for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+  with open(args.out, "w") as f:
+    json.dump({"losses": losses, "params": flat, "processes": jax.process_count()}, f)

@@ -1,0 +1,87 @@
+"""Several processes as one run (jax.distributed, gloo on CPU), started by `zjax launch`:
+2 processes x 4 devices train like 1 process x 8, checkpoints cross process counts, a
+process with another model fails fast, a dead process stops the run within the timeout.
+Each run is a subprocess (a process joins jax.distributed once)."""
+
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = str(ROOT / "examples" / "distributed_gpt.py")
+
+
+def launch(*args, nproc=2, timeout=60):
+  return subprocess.run([sys.executable, "-m", "zjax.cli.main", "launch", "--nproc", str(nproc),
+                         "--devices-per-process", "4", "--timeout", str(timeout), "--",
+                         sys.executable, SCRIPT, *args],
+                        capture_output=True, text=True, timeout=600)
+
+
+def single(*args):
+  return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
+                        timeout=600)
+
+
+def read(path):
+  return json.loads(pathlib.Path(path).read_text())
+
+
+def assert_params(a, b, rtol, atol):
+  assert a.keys() == b.keys()
+  for key in a:
+    np.testing.assert_allclose(a[key], b[key], rtol=rtol, atol=atol, err_msg=key)
+
+
+def test_two_processes_train_like_one_and_checkpoints_cross(tmp_path):
+  two = launch("--steps", "5", "--out", str(tmp_path / "two.json"), "--save",
+               str(tmp_path / "ck_two"))
+  assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+  assert "[p0] step 4" in two.stdout and "[p1] step 4" in two.stdout
+  one = single("--steps", "5", "--out", str(tmp_path / "one.json"), "--save",
+               str(tmp_path / "ck_one"))
+  assert one.returncode == 0, one.stderr[-3000:]
+  a, b = read(tmp_path / "two.json"), read(tmp_path / "one.json")
+  assert (a["processes"], b["processes"]) == (2, 1)
+  np.testing.assert_allclose(a["losses"], b["losses"], rtol=1e-6)
+  assert_params(a["params"], b["params"], rtol=1e-6, atol=1e-6)
+
+  # saved by 2 processes, restored by 1; saved by 1, restored by 2: exactly the same params
+  back_one = single("--steps", "0", "--restore", str(tmp_path / "ck_two"), "--out",
+                    str(tmp_path / "r1.json"))
+  assert back_one.returncode == 0, back_one.stderr[-3000:]
+  assert_params(read(tmp_path / "r1.json")["params"], a["params"], rtol=0, atol=0)
+  back_two = launch("--steps", "0", "--restore", str(tmp_path / "ck_one"), "--out",
+                    str(tmp_path / "r2.json"))
+  assert back_two.returncode == 0, back_two.stdout[-3000:]
+  assert_params(read(tmp_path / "r2.json")["params"], b["params"], rtol=0, atol=0)
+
+
+def test_processes_with_different_models_fail_instead_of_hanging():
+  done = launch("--steps", "1", "--layers", "1,2")
+  assert done.returncode != 0
+  assert "traced a different schedule than process 0" in done.stdout, done.stdout[-3000:]
+
+
+def test_a_dead_process_stops_the_run_within_the_timeout():
+  done = launch("--steps", "6", "--die-at-step", "2", timeout=10)
+  assert done.returncode != 0
+  assert "process 1 exited with code 9" in done.stderr, done.stderr[-3000:]
+  stopped = float(re.search(r"stopped ([\d.]+) s after", done.stderr).group(1))
+  assert stopped <= 10 + 5, done.stderr[-2000:]
+
+
+def test_a_plain_run_does_not_join_anything():
+  done = subprocess.run([sys.executable, "-c", "import zjax; print(zjax.distributed."
+                         "initialize())"], capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0 and done.stdout.strip() == "False"
+
+
+def test_launch_bad_arguments():
+  done = subprocess.run([sys.executable, "-m", "zjax.cli.main", "launch", "--nproc", "0",
+                         "--", "true"], capture_output=True, text=True, timeout=300)
+  assert done.returncode == 2 and "--nproc" in done.stderr

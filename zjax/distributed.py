@@ -1,0 +1,82 @@
+"""Multi-process runs on JAX's own runtime (`jax.distributed`): join a run, feed batches.
+
+A script joins a run with one call at its top, before any JAX computation:
+
+    zjax.distributed.initialize()   # reads what `zjax launch` set; no-op in a plain run
+
+`zjax launch --nproc P --devices-per-process D -- python script.py` starts P such
+processes on this machine (simulated CPU devices, gloo collectives). On a cluster call
+`jax.distributed.initialize()` yourself instead (it reads SLURM / Open MPI / cloud TPU
+environments, or takes coordinator_address, num_processes and process_id); everything in
+zjax then works on the global mesh unchanged.
+
+Each process feeds its own rows of the global batch with `global_batch(local, mesh)`.
+"""
+
+import os
+
+import numpy as np
+
+ENV_COORDINATOR = "ZJAX_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "ZJAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "ZJAX_PROCESS_ID"
+ENV_LOCAL_DEVICES = "ZJAX_LOCAL_DEVICES"
+ENV_TIMEOUT = "ZJAX_TIMEOUT"
+
+
+def initialize() -> bool:
+  """Join the multi-process run `zjax launch` started (True), or do nothing when this
+  process was not started by it (False)."""
+  if ENV_COORDINATOR not in os.environ:
+    return False
+  import jax
+  from zjax.cli.devices import setup
+  local = int(os.environ.get(ENV_LOCAL_DEVICES, "1"))
+  setup(local)  # simulated CPU devices (the CPU backend only) and barrier-keeping XLA
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  timeout = int(float(os.environ.get(ENV_TIMEOUT, "60")))
+  jax.distributed.initialize(
+      coordinator_address=os.environ[ENV_COORDINATOR],
+      num_processes=int(os.environ[ENV_NUM_PROCESSES]),
+      process_id=int(os.environ[ENV_PROCESS_ID]),
+      initialization_timeout=timeout, heartbeat_timeout_seconds=timeout)
+  return True
+
+
+def global_batch(local_batch, mesh, axis: str = "fsdp"):
+  """This process's rows of the global batch -> a global `jax.Array` sharded over `axis`
+  (0-d leaves are replicated and must be equal in every process). In a one-process run it
+  is the batch itself, placed on the mesh."""
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  def place(x):
+    x = np.asarray(x)
+    spec = P(axis) if x.ndim else P()
+    return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), x)
+
+  return jax.tree.map(place, local_batch)
+
+
+def check_same_schedule(schedule) -> None:
+  """Every process must run the same schedule; otherwise fail here, naming the processes
+  that differ, instead of hanging in a collective."""
+  import jax
+  if jax.process_count() == 1:
+    return
+  from jax.experimental import multihost_utils
+  from zjax._src.errors import ScheduleMismatchError
+  mine = np.frombuffer(bytes.fromhex(schedule.fingerprint), np.uint8)
+  summary = np.array([len(schedule.params), schedule.num_ops, schedule.num_devices])
+  fingerprints = np.asarray(multihost_utils.process_allgather(mine))
+  summaries = np.asarray(multihost_utils.process_allgather(summary))
+  reference = fingerprints[0]
+  differing = [p for p in range(len(fingerprints)) if (fingerprints[p] != reference).any()]
+  if differing:
+    described = "; ".join(
+        f"process {p}: fingerprint {bytes(fingerprints[p]).hex()[:12]}, "
+        f"{summaries[p][0]} params, {summaries[p][1]} ops, {summaries[p][2]} devices"
+        for p in [0] + differing)
+    raise ScheduleMismatchError(
+        f"Processes {differing} traced a different schedule than process 0 ({described}). "
+        f"Every process must build the same model, loss and config.")
