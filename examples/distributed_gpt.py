@@ -10,6 +10,8 @@ process 0 writes the losses and the final params to --out (JSON).
 import argparse
 import json
 import os
+import statistics
+import time
 
 import zjax
 
@@ -59,13 +61,18 @@ def local_rows(step):  # the global batch is a function of the step; take this p
           .astype(np.int32)}
 
 
-losses = []
+losses, seconds = [], []
 for step in range(args.steps):
   if args.die_at_step == step and jax.process_index() == 1:
     os._exit(9)  # a crash: no cleanup, no goodbye to the others
+  start = time.perf_counter()
   state, metrics = trainer.step(state, zjax.distributed.global_batch(local_rows(step), mesh))
-  losses.append(float(metrics["loss"]))
+  losses.append(float(metrics["loss"]))  # waits for the step
+  seconds.append(time.perf_counter() - start)
   print(f"step {step}: loss {losses[-1]:.5f}", flush=True)
+if len(seconds) > 1:  # the first step compiles
+  print(f"median step time {statistics.median(seconds[1:]) * 1e3:.1f} ms "
+        f"({jax.process_count()} process(es) x {jax.local_device_count()} devices)")
 if args.save:
   with zjax.CheckpointManager(args.save, trainer) as ckpt:
     ckpt.save(int(state.step), state)
