@@ -36,8 +36,8 @@ def zjax_method(name, loss_fn, params, batch, mesh, config, optimizer) -> Method
   box = [trainer.init(params)]
   compiled = trainer.step.lower(box[0], batch).compile()
 
-  def run():
-    box[0], metrics = trainer.step(box[0], batch)
+  def run():  # the compiled program itself: no second compilation by the first call
+    box[0], metrics = compiled(box[0], batch)
     return metrics["loss"]
 
   return Method(name, compiled, run, lambda: (box[0].params, box[0].opt_state), schedule)
