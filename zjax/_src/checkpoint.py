@@ -357,13 +357,10 @@ _BLOCK = 1 << 16
 
 
 def _host_checksum(flat: np.ndarray) -> np.uint32:
-  bits = flat.view(np.uint8) if flat.dtype == np.bool_ else flat
+  words = 2 if flat.dtype.itemsize == 8 else 1  # uint32 words per value
   total = 0
-  words = (flat.dtype.itemsize // 4) if flat.dtype.itemsize == 8 else 1
   for start in range(0, flat.shape[0], _BLOCK):
-    block = bits[start:start + _BLOCK]
-    block = block.astype(np.uint32) if flat.dtype == np.bool_ else _bits(
-        block, lambda v, w: v.view(w)).reshape(-1)
+    block = _bits(flat[start:start + _BLOCK], lambda v, w: v.view(w)).reshape(-1)
     first = start * words
     weights = np.arange(first, first + block.shape[0], dtype=np.uint32) * np.uint32(2) + \
         np.uint32(1)

@@ -167,7 +167,7 @@ def _lay_out_on_devices(leaves, entries, shardings, schedule, mesh):
 
   def lay_out(xs):
     return [x if e.persistent else
-            flat_padded(place(x, mesh, P()), e, schedule.num_devices)
+            storage_from_natural(place(x, mesh, P()), e, schedule.num_devices)
             for x, e in zip(xs, entries)]
 
   return jax.jit(lay_out, out_shardings=shardings)(leaves)
@@ -180,11 +180,6 @@ def largest_dim_spec(shape, num_devices: int, axis: str) -> P:
     return P()
   d = max(dims, key=lambda d: shape[d])
   return P(*([None] * d + [axis]))
-
-
-def flat_padded(x, entry, num_devices):
-  """A natural-shape leaf as its storage (see `storage_from_natural`), on device."""
-  return storage_from_natural(x, entry, num_devices)
 
 
 def per_device_bytes(tree) -> int:

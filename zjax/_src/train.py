@@ -247,7 +247,7 @@ def _laid_out(leaf, entry, schedule, mesh):
                              axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
     for spec in (P(schedule.config.axis_name), P()):
       leaf = lax.with_sharding_constraint(leaf, jax.sharding.NamedSharding(auto, spec))
-  return layout.flat_padded(leaf, entry, n)
+  return layout.storage_from_natural(leaf, entry, n)
 
 
 def _one_output(program, inputs, index, previous, finish):
