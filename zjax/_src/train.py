@@ -101,7 +101,7 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
     return _state_from(build(*args), extra)
 
   def _state_from(sharded, extra) -> TrainState:
-    optcheck.check_optimizer(masked_opt, schedule, mesh, jax.tree_util.tree_structure(sharded),
+    optcheck.check_optimizer(optimizer, schedule, mesh, jax.tree_util.tree_structure(sharded),
                              jax.tree.leaves(trainable(sharded)),
                              name=optcheck.transform_name(optimizer))
     with jax.set_mesh(mesh):  # optax creates unsharded scalars: Explicit meshes need context

@@ -1,0 +1,78 @@
+"""The optimizer shard-compatibility check: one representative per distinct shape, cached,
+with a fallback to the whole tree for optimizers that need the params' own structure."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from helpers import mesh_of, mlp
+from test_train import SHARD_ALL, assert_training_parity, same_batch
+
+import zjax
+from zjax._src import optcheck
+
+
+def _schedule(n=8, layers=4):
+  loss, params, batch = mlp(num_layers=layers)
+  mesh = mesh_of(n)
+  return loss, params, batch, mesh, zjax.compile_schedule(loss, params, batch, mesh=mesh,
+                                                          config=SHARD_ALL)
+
+
+def test_one_representative_per_distinct_shape_and_layout():
+  *_, schedule = _schedule(layers=6)
+  reps = optcheck.representatives(schedule, [True] * len(schedule.params))
+  assert len(schedule.params) == 12
+  assert [r.path for r in reps] == ["['layer0']['bias']", "['layer0']['kernel']"]
+  assert optcheck.representatives(schedule, [False] * 12) == []
+
+
+@pytest.mark.parametrize("n", [8, 2])
+def test_probe_runs_once_per_optimizer_and_layout(n, monkeypatch):
+  loss, params, _, mesh, schedule = _schedule(n)
+  calls = []
+  real = optcheck._find_error
+  monkeypatch.setattr(optcheck, "_find_error", lambda *a, **k: calls.append(1) or real(*a, **k))
+  optimizer = optax.adamw(1e-3)
+  trainer = zjax.zero3(loss, optimizer, schedule, mesh=mesh)
+  trainer.init(params)
+  trainer.init(params)
+  zjax.zero3(loss, optimizer, schedule, mesh=mesh).init(params)
+  assert len(calls) == 1
+  zjax.zero3(loss, optax.adamw(1e-3), schedule, mesh=mesh).init(params)  # another optimizer
+  assert len(calls) == 2
+
+
+def test_refusal_is_cached_and_names_the_parameter():
+  loss, params, _, mesh, schedule = _schedule()
+  muon = optax.contrib.muon(1e-2)
+  for _ in range(2):
+    with pytest.raises(zjax.ZjaxError, match=r"not shard-compatible.*\['layer0'\]\['kernel'\]"):
+      zjax.zero3(loss, muon, schedule, mesh=mesh).init(params)
+
+
+def test_label_pytree_falls_back_to_the_whole_tree():
+  """A multi_transform whose labels are a pytree shaped like the params cannot run on the
+  representatives' smaller tree: the check probes every leaf in the params' structure."""
+  loss, params, batch = mlp(num_layers=3)
+  labels = {k: {"kernel": "adam", "bias": "sgd"} for k in params}
+  opt = optax.multi_transform({"adam": optax.adam(1e-2), "sgd": optax.sgd(1e-2)}, labels)
+  assert_training_parity(loss, opt, params, same_batch(batch, 3))
+  labels["layer2"]["kernel"] = "muon"
+  bad = optax.multi_transform({"adam": optax.adam(1e-2), "sgd": optax.sgd(1e-2),
+                               "muon": optax.contrib.muon(1e-2)}, labels)
+  mesh = mesh_of(8)
+  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=SHARD_ALL)
+  with pytest.raises(zjax.ZjaxError, match=r"\['layer2'\]\['kernel'\]"):
+    zjax.zero3(loss, bad, schedule, mesh=mesh).init(params)
+
+
+def test_probe_leaves_are_sharded_over_the_mesh():
+  *_, mesh, schedule = _schedule()
+  auto = jax.sharding.Mesh(mesh.devices, mesh.axis_names,
+                           axis_types=(jax.sharding.AxisType.Auto,))
+  leaves = optcheck._random_leaves(list(schedule.params), schedule, auto, 0)
+  kernel = leaves[1]
+  assert kernel.shape == (64, 64)
+  assert {s.data.shape for s in kernel.addressable_shards} == {(8, 64)}
+  assert np.std(np.asarray(kernel)) > 0.5
