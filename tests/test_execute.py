@@ -1,6 +1,8 @@
 """value_and_grad: same loss and gradients as plain single-device JAX (fp32 rtol 1e-5), on 8,
 4 and 1 devices, for real models and every case the trace pass supports."""
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -222,10 +224,11 @@ def test_remat_blocks():
   assert_parity(lambda p, b: jnp.mean(model.apply(p, b) ** 2), params, x, config=SHARD_ALL)
 
 
-def test_dropout_with_rng_in_batch():
-  """A 0-d key in the batch is replicated: each device draws its own local-batch mask from
-  it, which is data parallelism's semantics; the reference is the mean over devices of
-  the same per-device computation."""
+@pytest.mark.parametrize("fold", [True, False])
+def test_dropout_with_rng_in_batch(fold):
+  """A 0-d key in the batch reaches device d as fold_in(key, d) (ZeroConfig.fold_rng_keys):
+  each device draws its own masks. Opted out, every device sees the key as given. The
+  reference is the mean over devices of the same per-device computation."""
   class Model(nn.Module):
     @nn.compact
     def __call__(self, x, key):
@@ -238,12 +241,41 @@ def test_dropout_with_rng_in_batch():
   params = model.init(jax.random.key(1), x, jax.random.key(2))
   loss = lambda p, b: jnp.mean(model.apply(p, b["x"], b["key"]) ** 2)
   batch = {"x": x, "key": jax.random.key(3)}
-  _, zloss, grads, _ = run_zjax(loss, params, batch, config=SHARD_ALL)
-  slices = [{"x": x[i:i + 1], "key": batch["key"]} for i in range(8)]
+  config = dataclasses.replace(SHARD_ALL, fold_rng_keys=fold)
+  _, zloss, grads, _ = run_zjax(loss, params, batch, config=config)
+  keys = [jax.random.fold_in(batch["key"], i) if fold else batch["key"] for i in range(8)]
+  slices = [{"x": x[i:i + 1], "key": keys[i]} for i in range(8)]
   per_device = [jax.value_and_grad(loss)(params, b) for b in slices]
   np.testing.assert_allclose(zloss, np.mean([l for l, _ in per_device]), rtol=1e-5)
   mean_grads = jax.tree.map(lambda *g: sum(g) / 8, *[g for _, g in per_device])
   assert_trees_close(grads, mean_grads)
+
+
+@pytest.mark.parametrize("n", [8, 4])
+def test_devices_draw_different_masks_deterministically(n):
+  """The gradient of sum(mask * x * w) over w is the mean of the devices' masks: with
+  folded keys it equals mean_d bernoulli(fold_in(key, d)) exactly, and differs from any
+  one device's mask; the same key gives the same result again."""
+  rows = 2
+  loss = lambda p, b: jnp.sum(jax.random.bernoulli(b["key"], 0.5, b["x"].shape) * b["x"]
+                              * p["w"])
+  params = {"w": jnp.zeros((rows, 64))}
+  batch = {"x": jnp.ones((rows * n, 64)), "key": jax.random.key(7)}
+  _, _, grads, _ = run_zjax(loss, params, batch, n=n, config=SHARD_ALL)
+  masks = [jax.random.bernoulli(jax.random.fold_in(batch["key"], d), 0.5, (rows, 64))
+           for d in range(n)]
+  np.testing.assert_array_equal(grads["w"], np.mean(masks, axis=0, dtype=np.float32))
+  assert not np.array_equal(masks[0], masks[1])
+  _, _, again, _ = run_zjax(loss, params, batch, n=n, config=SHARD_ALL)
+  np.testing.assert_array_equal(grads["w"], again["w"])
+
+
+def test_key_array_with_a_batch_dimension_is_refused():
+  loss, params, batch = mlp()
+  batch = dict(batch, key=jax.random.split(jax.random.key(0), 16))
+  with pytest.raises(zjax.ZjaxError, match=r"\['key'\] is an array of PRNG keys of shape "
+                     r"\(16,\).*jax.random.key\(seed\)"):
+    run_zjax(lambda p, b: loss(p, {"x": b["x"], "y": b["y"]}), params, batch, config=SHARD_ALL)
 
 
 @pytest.mark.parametrize("explicit", [True, False])

@@ -36,7 +36,14 @@ class ZeroConfig:
       stored shards keep the parameters' own dtype (they are the fp32 masters).
     reduce_dtype: dtype gradients are reduce-scattered and averaged in (None: the
       parameters' own dtype, e.g. fp32 under bf16 compute; ``jnp.bfloat16`` halves it).
-    axis_name: name of the mesh axis that parameters are sharded over.
+    axis_name: name of the mesh axis that parameters are sharded over and the batch is
+      split over. The loss may use collectives over it (`lax.pmean`, `axis_index`,
+      `nn.BatchNorm(axis_name=...)` for synchronised batch statistics).
+    fold_rng_keys: fold each device's position on the axis into every 0-d PRNG key leaf of
+      the batch (`jax.random.fold_in(key, device)`), so that devices draw independent
+      randomness (dropout masks) for their shares of the batch; deterministic for a given
+      key and device count. With gradient accumulation the micro-batch index is folded in
+      too. False: every device (and micro-batch) sees the key as given.
 
   Example:
     >>> cfg = ZeroConfig(prefetch_bucket_size=0, param_persistence_threshold=1e4)
@@ -52,6 +59,7 @@ class ZeroConfig:
   compute_dtype: Any = None
   reduce_dtype: Any = None
   axis_name: str = "fsdp"
+  fold_rng_keys: bool = True
 
   def __post_init__(self):
     for name in _ELEMENT_KNOBS:
@@ -62,6 +70,9 @@ class ZeroConfig:
       raise ValueError(
           f"ZeroConfig.axis_name must be a non-empty string naming a mesh axis, "
           f"got {self.axis_name!r}.")
+    if not isinstance(self.fold_rng_keys, bool):
+      raise ValueError(f"ZeroConfig.fold_rng_keys must be True or False, got "
+                       f"{self.fold_rng_keys!r}.")
 
   def to_dict(self) -> dict:
     """JSON-serialisable form (dtype as its name)."""

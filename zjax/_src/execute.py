@@ -83,12 +83,22 @@ class _Runner:
 
   def _batch_specs(self, batch):
     def spec(path, x):
+      name = jax.tree_util.keystr(path)
       if np.ndim(x) == 0:
         return P()
+      if is_key(x):
+        raise ZjaxError(
+            f"Batch leaf {name} is an array of PRNG keys of shape {tuple(x.shape)}; zjax "
+            f"splits batch leaves over the devices and folds each device's position into "
+            f"0-d keys (ZeroConfig.fold_rng_keys). Pass one key, jax.random.key(seed), and "
+            f"draw per-example randomness inside the loss.")
       if x.shape[0] % self.n:
-        raise ZjaxError(f"Batch leaf {jax.tree_util.keystr(path)} has leading (global batch) "
-                        f"dimension {x.shape[0]}, not divisible by the {self.n} devices. Use a "
-                        f"global batch that is a multiple of {self.n}.")
+        hint = (" If it is a raw PRNG key (jax.random.PRNGKey), pass a typed 0-d key, "
+                "jax.random.key(seed), instead." if x.shape == (2,) and x.dtype == np.uint32
+                else "")
+        raise ZjaxError(f"Batch leaf {name} has leading (global batch) dimension "
+                        f"{x.shape[0]}, not divisible by the {self.n} devices. Use a global "
+                        f"batch that is a multiple of {self.n}.{hint}")
       return P(self.axis)
     return jax.tree_util.tree_map_with_path(spec, batch)
 
@@ -141,6 +151,9 @@ class _DeviceProgram:
 
   def run(self, shard_leaves, batch, extra):
     """-> ((mean loss, new extra averaged over devices), local gradient shards)."""
+    if self.s.config.fold_rng_keys and self.n > 1:
+      device = lax.axis_index(self.axis)
+      batch = jax.tree.map(lambda x: jax.random.fold_in(x, device) if is_key(x) else x, batch)
     state = _State(self, shard_leaves, jax.tree.leaves(batch) + jax.tree.leaves(extra))
     for step in self.s.forward:
       state.run_step(step, "forward")
@@ -151,6 +164,11 @@ class _DeviceProgram:
     for step in self.s.backward:
       state.run_step(step, "backward")
     return (state.mean_over_devices(loss), state.average_extra(new_extra)), state.gradients()
+
+
+def is_key(x) -> bool:
+  """A typed PRNG key (array), as made by jax.random.key."""
+  return jnp.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key)
 
 
 class _State:

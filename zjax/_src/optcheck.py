@@ -147,14 +147,18 @@ def _comparison(optimizer, schedule, mesh, entries, judged, build):
   max |natural update|)]."""
   n, axis = schedule.num_devices, schedule.config.axis_name
 
+  # Leaves change layout through their replicated form: GSPMD reshards any other way by a
+  # full rematerialisation, with a warning per leaf.
+  whole = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
+
   def flat(leaves):
     return [jax.lax.with_sharding_constraint(
-        layout.storage_from_natural(x, e, n), NamedSharding(mesh, layout.storage_spec(e, axis)))
-            for x, e in zip(leaves, entries)]
+        layout.storage_from_natural(whole(x), e, n),
+        NamedSharding(mesh, layout.storage_spec(e, axis))) for x, e in zip(leaves, entries)]
 
   def leaf_row(entry, natural, flat_update):
-    natural = natural.astype(jnp.float32)
-    flat_update = flat_update.astype(jnp.float32)
+    natural = whole(natural).astype(jnp.float32)
+    flat_update = whole(flat_update).astype(jnp.float32)
     scale = jnp.max(jnp.abs(natural), initial=0.0)
     back = layout.natural_from_storage(flat_update, entry)
     pad = jnp.max(jnp.abs(layout.storage_padding(flat_update, entry)), initial=0.0)

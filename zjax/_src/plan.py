@@ -34,7 +34,7 @@ from zjax._src import segments as seg_lib
 from zjax._src.config import ZeroConfig
 from zjax._src.errors import ScheduleError
 from zjax._src.schedule import Schedule, program_hash
-from zjax._src.trace import ProgramTrace, trace_for_schedule
+from zjax._src.trace import ProgramTrace, data_axis_bound, trace_for_schedule
 
 
 def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
@@ -93,6 +93,11 @@ def _frozen_indices(params, frozen, trace) -> frozenset:
 def plan_schedule(trace: ProgramTrace, config: ZeroConfig, num_devices: int,
                   frozen: frozenset = frozenset()) -> Schedule:
   """Plan a schedule from a traced program (see the module docstring for the steps)."""
+  with data_axis_bound(config, num_devices):  # segment vjps are traced while planning
+    return _plan(trace, config, num_devices, frozen)
+
+
+def _plan(trace, config, num_devices, frozen) -> Schedule:
   persistent = {p.index for p in trace.params
                 if num_devices == 1 or p.size <= config.param_persistence_threshold}
   sharded = {p.index for p in trace.params if p.index not in persistent}

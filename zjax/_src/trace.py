@@ -9,11 +9,17 @@ Higher-order ops (scan, cond, while, remat, custom_jvp/vjp, shard_map) are singl
 parameter flowing into one is used there, and the table records where inside it is used.
 """
 
+import contextlib
 import dataclasses
+import re
 from typing import Any, Callable
 
 import jax
 import jax.extend.core as jex
+# JAX has no public dead-code elimination (nor a public way to bind an axis name while
+# tracing outside shard_map); these are what jit and make_jaxpr(axis_env=) use.
+from jax._src import core as jax_core
+from jax._src.interpreters import partial_eval as pe
 import numpy as np
 
 from zjax._src import ir
@@ -96,9 +102,15 @@ def trace_program(loss_fn: Callable, params: Any, batch: Any, extra: Any = None
   for path, leaf in path_leaves:
     _check_leaf(path, leaf)
   args = (params, batch) if extra is None else (params, batch, extra)
-  closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(*args)
+  try:
+    closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(*args)
+  except NameError as e:
+    unbound = re.search(r"unbound axis name: ([^\s]+?)\.?(\s|$)", str(e))
+    if unbound is None:
+      raise
+    raise _unbound_axis_error(unbound.group(1)) from None
   _check_loss_output(closed, out_shape, extra)
-  program = flatten_program(closed)
+  program = flatten_program(without_dead_code(closed))
   uses = _find_uses(program, len(path_leaves))
   infos = tuple(
       ParamInfo(index=i, path=jax.tree_util.keystr(path), keys=_key_names(path),
@@ -109,12 +121,38 @@ def trace_program(loss_fn: Callable, params: Any, batch: Any, extra: Any = None
   return ProgramTrace(params=infos, ops=ops, treedef=treedef, program=program)
 
 
+def without_dead_code(closed: jex.ClosedJaxpr) -> jex.ClosedJaxpr:
+  """The program minus everything the loss (and new extra state) does not depend on, as
+  XLA will delete it: a parameter read only by dead code (an unused head, a dead concat of
+  kernels) is then unused, and no collective is planned for work that never runs. Every
+  input is kept, so parameter and batch positions stay as they are."""
+  jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
+  return jex.ClosedJaxpr(jaxpr, closed.consts)
+
+
+@contextlib.contextmanager
+def data_axis_bound(config, num_devices: int):
+  """Trace as inside the executor's shard_map: the data axis (`config.axis_name`, size N) is
+  bound, so that a loss may use lax.psum / pmean / axis_index over it (sync BatchNorm)."""
+  with jax_core.extend_axis_env_nd([(config.axis_name, num_devices)]):
+    yield
+
+
 def trace_for_schedule(loss_fn, params, batch, config, num_devices: int, extra=None):
-  """Trace as the executor runs: on one device's share of the batch, with floating-point
-  parameters in the compute dtype. The table keeps each parameter's own (storage) dtype."""
+  """Trace as the executor runs: on one device's share of the batch, with the data axis
+  bound and floating-point parameters in the compute dtype. The table keeps each
+  parameter's own (storage) dtype."""
   as_computed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
       np.shape(x), ir.gather_dtype(x.dtype, config.compute_dtype)), params)
-  trace = trace_program(loss_fn, as_computed, per_device_batch(batch, num_devices), extra)
+  with data_axis_bound(config, num_devices):
+    try:
+      trace = trace_program(loss_fn, as_computed, per_device_batch(batch, num_devices), extra)
+    except _UnboundAxisError as e:
+      raise TraceError(f"{e} zjax binds one axis, its data axis {config.axis_name!r} "
+                       f"(ZeroConfig.axis_name), over which it splits the batch: name the "
+                       f"model's axis {config.axis_name!r} (e.g. nn.BatchNorm(axis_name="
+                       f"{config.axis_name!r})), or set ZeroConfig(axis_name="
+                       f"{e.axis!r}) and name the mesh axis {e.axis!r}.") from None
   stored = [np.dtype(x.dtype) for x in jax.tree.leaves(params)]
   return dataclasses.replace(trace, params=tuple(
       dataclasses.replace(p, dtype=d) for p, d in zip(trace.params, stored)))
@@ -249,6 +287,19 @@ def _origins(atoms, derived) -> frozenset:
 def _closed_jaxpr_param(eqn) -> jex.Jaxpr:
   sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
   return sub.jaxpr if hasattr(sub, "jaxpr") else sub
+
+
+class _UnboundAxisError(TraceError):
+
+  def __init__(self, message, axis):
+    super().__init__(message)
+    self.axis = axis
+
+
+def _unbound_axis_error(axis: str) -> TraceError:
+  return _UnboundAxisError(
+      f"loss_fn uses a collective over the axis {axis!r} (lax.psum / pmean / axis_index, or "
+      f"e.g. nn.BatchNorm(axis_name={axis!r})), which is not bound while tracing.", axis)
 
 
 def _key_names(path) -> tuple[str, ...]:

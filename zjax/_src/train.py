@@ -21,7 +21,7 @@ from jax._src.interpreters import partial_eval as pe
 
 from zjax._src import ir, layout, optcheck
 from zjax._src.errors import ZjaxError
-from zjax._src.execute import value_and_grad
+from zjax._src.execute import is_key, value_and_grad
 
 
 class TrainState(NamedTuple):
@@ -116,7 +116,7 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
 
   def train_step(state: TrainState, batch):
     loss, extra, grads = _accumulated(grad_fn, state.params, batch, state.extra,
-                                      accumulation_steps, mesh)
+                                      accumulation_steps, mesh, schedule.config.fold_rng_keys)
     trainable_leaves = trainable(state.params)
     grad_norm = optax.tree.norm(_select(grads, trainable_leaves))
     updates, opt_state = masked_opt.update(grads, state.opt_state, state.params)
@@ -320,16 +320,22 @@ def _call(grad_fn, params, batch, extra):
   return loss, new_extra, grads
 
 
-def _accumulated(grad_fn, params, batch, extra, k, mesh):
+def _accumulated(grad_fn, params, batch, extra, k, mesh, fold_keys):
   """Mean loss, new extra state and gradients over k equal micro-batches (each sees the
-  step's extra state; their new states are averaged); gradients stay sharded."""
+  step's extra state; their new states are averaged; with `fold_keys`, 0-d PRNG keys get
+  the micro-batch index folded in); gradients stay sharded."""
   if k == 1:
     return _call(grad_fn, params, batch, extra)
   micro = jax.tree.map(lambda x: _split_leading(x, k, mesh) if np.ndim(x) else x, batch)
   split = jax.tree.map(lambda x: np.ndim(x) > 0, batch)
 
+  def micro_batch(x, is_split, i):
+    if is_split:
+      return x[i]
+    return jax.random.fold_in(x, i) if fold_keys and is_key(x) else x
+
   def body(carry, i):
-    b = jax.tree.map(lambda x, s: x[i] if s else x, micro, split)
+    b = jax.tree.map(lambda x, s: micro_batch(x, s, i), micro, split)
     return jax.tree.map(jnp.add, carry, _call(grad_fn, params, b, extra)), None
 
   zeros = jax.tree.map(jnp.zeros_like, (jnp.zeros((), jnp.float32), extra, params))

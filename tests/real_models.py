@@ -1,0 +1,236 @@
+"""Small models written the way Flax users write them (our own versions of common public
+architectures), as test fixtures: each is a `Case` with a loss, params, a batch, optional
+non-parameter state (`extra`) and the plain single-device loss to compare with.
+
+  resnet_syncbn  ResNet blocks with BatchNorm(axis_name="fsdp") (synchronised statistics)
+  encdec         encoder-decoder, one embedding shared by encoder, decoder and output
+  nnx_gqa        NNX decoder: grouped-query attention, qk-norm, sliding-window and global
+                 layers, logit soft-caps, tied embedding
+  rnn_lstm       two LSTMs through nn.RNN, classifier head
+  bilstm_scan    bidirectional LSTM through nn.scan(variable_broadcast="params")
+"""
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  loss_fn: Callable  # (params, batch) -> loss, or (params, batch, extra) -> (loss, extra)
+  params: Any
+  batch: Any
+  extra: Any = None
+  reference_loss_fn: Callable = None  # the same on one device and the full batch
+
+
+def cross_entropy(logits, labels):
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+  return -jnp.take_along_axis(logp, labels[..., None], -1).mean()
+
+
+# ---- ResNet with synchronised BatchNorm -------------------------------------------------
+class ResNet(nn.Module):
+  axis_name: str | None = "fsdp"
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9,
+                             axis_name=self.axis_name if train else None)
+    x = nn.relu(norm()(nn.Conv(8, (3, 3), use_bias=False)(x)))
+    for features, strides in ((8, 1), (16, 2)):
+      y = nn.relu(norm()(nn.Conv(features, (3, 3), strides, use_bias=False)(x)))
+      y = norm(scale_init=nn.initializers.zeros)(nn.Conv(features, (3, 3), use_bias=False)(y))
+      if strides != 1 or x.shape[-1] != features:
+        x = norm()(nn.Conv(features, (1, 1), strides, use_bias=False)(x))
+      x = nn.relu(x + y)
+    return nn.Dense(10)(x.mean(axis=(1, 2)))
+
+
+def resnet_syncbn(batch_size=16) -> Case:
+  model, plain = ResNet(), ResNet(axis_name=None)
+  x = jax.random.normal(jax.random.key(0), (batch_size, 8, 8, 3))
+  batch = {"x": x, "y": jnp.arange(batch_size) % 10}
+  variables = plain.init(jax.random.key(1), x, train=False)
+  # non-trivial statistics: one full-batch update from the initial ones
+  _, stats = plain.apply(variables, x, mutable=["batch_stats"])
+
+  def make_loss(m):
+    def loss_fn(params, batch, extra):
+      logits, updates = m.apply({"params": params, **extra}, batch["x"],
+                                mutable=["batch_stats"])
+      return cross_entropy(logits, batch["y"]), {"batch_stats": updates["batch_stats"]}
+    return loss_fn
+
+  return Case(make_loss(model), variables["params"], batch, dict(stats), make_loss(plain))
+
+
+# ---- encoder-decoder with one shared embedding ------------------------------------------
+class EncoderDecoder(nn.Module):
+  vocab: int = 37  # odd on purpose: the embedding does not divide by the device count
+  d: int = 32
+
+  def setup(self):
+    self.shared = nn.Embed(self.vocab, self.d)
+    attention = functools.partial(nn.MultiHeadDotProductAttention, num_heads=4,
+                                  qkv_features=self.d)
+    self.enc_attn, self.dec_attn, self.cross_attn = attention(), attention(), attention()
+    self.enc_mlp = nn.Sequential([nn.Dense(2 * self.d), nn.gelu, nn.Dense(self.d)])
+    self.dec_mlp = nn.Sequential([nn.Dense(2 * self.d), nn.gelu, nn.Dense(self.d)])
+    self.norms = [nn.LayerNorm() for _ in range(5)]
+
+  def __call__(self, src, tgt):
+    enc = self.shared(src)
+    enc = enc + self.enc_attn(self.norms[0](enc))
+    enc = enc + self.enc_mlp(self.norms[1](enc))
+    dec = self.shared(tgt)
+    causal = nn.make_causal_mask(tgt)
+    dec = dec + self.dec_attn(self.norms[2](dec), mask=causal)
+    dec = dec + self.cross_attn(self.norms[3](dec), enc)
+    dec = dec + self.dec_mlp(self.norms[4](dec))
+    return self.shared.attend(dec)
+
+
+def encdec(batch_size=16) -> Case:
+  model = EncoderDecoder()
+  src = jax.random.randint(jax.random.key(0), (batch_size, 10), 0, model.vocab)
+  tgt = jax.random.randint(jax.random.key(1), (batch_size, 9), 0, model.vocab)
+  params = model.init(jax.random.key(2), src, tgt[:, :-1])["params"]
+
+  def loss_fn(p, b):
+    logits = model.apply({"params": p}, b["src"], b["tgt"][:, :-1])
+    return cross_entropy(logits, b["tgt"][:, 1:])
+
+  return Case(loss_fn, params, {"src": src, "tgt": tgt}, reference_loss_fn=loss_fn)
+
+
+# ---- NNX decoder: GQA, qk-norm, sliding window, soft-caps ------------------------------
+class GQAttention(nnx.Module):
+
+  def __init__(self, d, heads, kv_heads, window, rngs):
+    self.heads, self.kv_heads, self.head_dim, self.window = heads, kv_heads, d // heads, window
+    self.q = nnx.Linear(d, heads * self.head_dim, use_bias=False, rngs=rngs)
+    self.kv = nnx.Linear(d, 2 * kv_heads * self.head_dim, use_bias=False, rngs=rngs)
+    self.o = nnx.Linear(heads * self.head_dim, d, use_bias=False, rngs=rngs)
+    self.q_norm = nnx.RMSNorm(self.head_dim, rngs=rngs)
+    self.k_norm = nnx.RMSNorm(self.head_dim, rngs=rngs)
+
+  def __call__(self, x):
+    b, t, _ = x.shape
+    q = self.q_norm(self.q(x).reshape(b, t, self.heads, self.head_dim))
+    k, v = jnp.split(self.kv(x).reshape(b, t, 2 * self.kv_heads, self.head_dim), 2, axis=2)
+    k = jnp.repeat(self.k_norm(k), self.heads // self.kv_heads, axis=2)
+    v = jnp.repeat(v, self.heads // self.kv_heads, axis=2)
+    logits = jnp.einsum("bthd,bshd->bhts", q, k) / jnp.sqrt(self.head_dim)
+    logits = 50.0 * jnp.tanh(logits / 50.0)  # attention soft-cap
+    pos = jnp.arange(t)
+    allowed = pos[:, None] >= pos[None, :]
+    if self.window:
+      allowed &= pos[:, None] - pos[None, :] < self.window
+    logits = jnp.where(allowed, logits, -1e9)
+    out = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(logits, -1), v)
+    return self.o(out.reshape(b, t, -1))
+
+
+class GQABlock(nnx.Module):
+
+  def __init__(self, d, window, rngs):
+    self.attn_norm = nnx.RMSNorm(d, rngs=rngs)
+    self.attn = GQAttention(d, heads=4, kv_heads=2, window=window, rngs=rngs)
+    self.mlp_norm = nnx.RMSNorm(d, rngs=rngs)
+    self.gate = nnx.Linear(d, 2 * d, use_bias=False, rngs=rngs)
+    self.up = nnx.Linear(d, 2 * d, use_bias=False, rngs=rngs)
+    self.down = nnx.Linear(2 * d, d, use_bias=False, rngs=rngs)
+
+  def __call__(self, x):
+    x = x + self.attn(self.attn_norm(x))
+    h = self.mlp_norm(x)
+    return x + self.down(nnx.gelu(self.gate(h)) * self.up(h))
+
+
+class GQADecoder(nnx.Module):
+
+  def __init__(self, vocab=61, d=32, layers=3, window=4, *, rngs):
+    self.embed = nnx.Embed(vocab, d, rngs=rngs)
+    # alternating local (sliding-window) and global layers
+    self.blocks = nnx.List([GQABlock(d, window if i % 2 == 0 else 0, rngs)
+                            for i in range(layers)])
+    self.final_norm = nnx.RMSNorm(d, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens) * jnp.sqrt(32.0)
+    for block in self.blocks:
+      x = block(x)
+    logits = self.embed.attend(self.final_norm(x))
+    return 30.0 * jnp.tanh(logits / 30.0)  # final logit soft-cap
+
+
+def nnx_gqa(batch_size=16) -> Case:
+  model = GQADecoder(rngs=nnx.Rngs(0))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  tokens = jax.random.randint(jax.random.key(3), (batch_size, 13), 0, 61)
+
+  def loss_fn(p, b):
+    logits = nnx.merge(graphdef, p, rest)(b["tokens"][:, :-1])
+    return cross_entropy(logits, b["tokens"][:, 1:])
+
+  return Case(loss_fn, params, {"tokens": tokens}, reference_loss_fn=loss_fn)
+
+
+# ---- LSTMs ---------------------------------------------------------------------------------
+class RNNClassifier(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.RNN(nn.LSTMCell(24))(x)
+    h = nn.RNN(nn.OptimizedLSTMCell(24))(h)
+    return nn.Dense(5)(h[:, -1])
+
+
+class ScanLSTM(nn.Module):
+  features: int
+  reverse: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    cell = nn.scan(nn.LSTMCell, variable_broadcast="params", split_rngs={"params": False},
+                   in_axes=1, out_axes=1, reverse=self.reverse)(self.features)
+    zeros = jnp.zeros((x.shape[0], self.features), x.dtype)
+    _, ys = cell((zeros, zeros), x)
+    return ys
+
+
+class BiLSTM(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    both = jnp.concatenate([ScanLSTM(16)(x), ScanLSTM(16, reverse=True)(x)], -1)
+    return nn.Dense(5)(both.mean(axis=1))
+
+
+def _sequence_case(model, batch_size) -> Case:
+  x = jax.random.normal(jax.random.key(4), (batch_size, 7, 12))
+  y = jnp.arange(batch_size) % 5
+  params = model.init(jax.random.key(5), x)["params"]
+
+  def loss_fn(p, b):
+    return cross_entropy(model.apply({"params": p}, b["x"]), b["y"])
+
+  return Case(loss_fn, params, {"x": x, "y": y}, reference_loss_fn=loss_fn)
+
+
+def rnn_lstm(batch_size=16) -> Case:
+  return _sequence_case(RNNClassifier(), batch_size)
+
+
+def bilstm_scan(batch_size=16) -> Case:
+  return _sequence_case(BiLSTM(), batch_size)
+
+
+CASES = {"resnet_syncbn": resnet_syncbn, "encdec": encdec, "nnx_gqa": nnx_gqa,
+         "rnn_lstm": rnn_lstm, "bilstm_scan": bilstm_scan}
