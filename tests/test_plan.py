@@ -23,10 +23,10 @@ def mlp(num_layers=4, dtype=jnp.float32):
   return loss, params, jax.ShapeDtypeStruct((8, D), dtype)
 
 
-def plan(model=None, n=8, **knobs):
+def plan(model=None, n=8, platform=None, **knobs):
   knobs.setdefault("param_persistence_threshold", D)  # biases replicated, kernels sharded
   loss, params, batch = model or mlp()
-  return zjax.compile_schedule(loss, params, batch, num_devices=n,
+  return zjax.compile_schedule(loss, params, batch, num_devices=n, platform=platform,
                                config=zjax.ZeroConfig(**knobs))
 
 
@@ -160,7 +160,19 @@ def test_reuse_distance_for_tied_weights():
   assert sum(st.bucket == emb for st in ops(kept.forward, "gather")) == 1
   assert sum(st.bucket == emb for st in ops(kept.backward, "reduce_scatter")) == 1
   assert sum(st.bucket == emb for st in ops(split.forward, "gather")) == 2
-  assert sum(st.bucket == emb for st in ops(split.backward, "reduce_scatter")) == 2
+  # one reduction per step by default (DeepSpeed), after the last backward use
+  scatters = ops(split.backward, "reduce_scatter")
+  assert sum(st.bucket == emb for st in scatters) == 1
+  assert split.backward.index(scatters[-1]) > max(
+      i for i, st in enumerate(split.backward) if st.op == "compute" and emb in
+      split.segments[st.segment].buckets)
+  per_gather = zjax.compile_schedule(loss, params, batch, num_devices=8, config=zjax.ZeroConfig(
+      param_persistence_threshold=0, max_reuse_distance=KERNEL, gradient_reduction="per_gather"))
+  assert sum(st.bucket == emb for st in ops(per_gather.backward, "reduce_scatter")) == 2
+  # the trade: one reduction fewer, the embedding's full gradient live across the layers
+  once, each = split.report(), per_gather.report()
+  assert once["reduce_scatter_bytes"] == each["reduce_scatter_bytes"] - D * D * 4
+  assert once["peak_live_grad_bytes"] > each["peak_live_grad_bytes"]
 
 
 def test_max_live_parameters_caps_live_elements():
@@ -209,8 +221,11 @@ def test_compute_dtype_halves_gather_bytes():
   assert bf16.report()["all_gather_bytes"] * 2 == fp32.report()["all_gather_bytes"]
   # gradients are reduced in the parameters' own dtype (fp32) unless reduce_dtype says so
   assert bf16.report()["reduce_scatter_bytes"] == fp32.report()["reduce_scatter_bytes"]
-  both = plan(compute_dtype=jnp.bfloat16, reduce_dtype=jnp.bfloat16)
+  both = plan(compute_dtype=jnp.bfloat16, reduce_dtype=jnp.bfloat16, platform="gpu")
   assert both.report()["reduce_scatter_bytes"] * 2 == fp32.report()["reduce_scatter_bytes"]
+  # XLA's CPU collectives reduce 16-bit floats in f32: the CPU executor widens them itself
+  on_cpu = plan(compute_dtype=jnp.bfloat16, reduce_dtype=jnp.bfloat16, platform="cpu")
+  assert on_cpu.report()["reduce_scatter_bytes"] == fp32.report()["reduce_scatter_bytes"]
   # the stored shards are the fp32 masters; the bf16 copy exists only while gathered
   assert bf16.report()["state_bytes_per_device"] == fp32.report()["state_bytes_per_device"]
 

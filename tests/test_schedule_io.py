@@ -54,7 +54,8 @@ def test_json_is_versioned_and_diff_friendly(schedule):
   assert len(data["fingerprint"]) == 64
   # one step per line: a moved gather is a one-line diff
   assert text.count('{"op": ') == len(schedule.forward) + len(schedule.backward)
-  assert list(data) == ["format", "version", "fingerprint", "num_devices", "config", "program",
+  assert list(data) == ["format", "version", "fingerprint", "num_devices", "platform", "config",
+                        "program",
                         "params", "buckets", "segments", "forward", "backward"]
 
 

@@ -119,12 +119,22 @@ def test_cond_switch_branches():
   assert t.ops[uses(t, "c")[0].op].primitive == "cond"
 
 
-def test_param_passed_into_branch_but_never_read_is_still_a_use():
-  """The op needs the value, so it must be gathered before the cond."""
+def test_param_returned_by_a_branch_is_a_use():
+  """A branch that returns the parameter itself needs its value: gathered before the cond."""
   params = {"a": jnp.ones((4, 4))}
-  loss = lambda p, x: lax.cond(True, lambda h, w: h, lambda h, w: h, x, p["a"]).sum()
-  (u,) = uses(zjax.trace_program(loss, params, X), "a")
+  loss = lambda p, x: lax.cond(x.sum() > 0, lambda h, w: h, lambda h, w: w, x[:4], p["a"]).sum()
+  (u,) = uses(zjax.trace_program(loss, params, jnp.ones((4, 4))), "a")
   assert u.primitive == "(passed through)"
+
+
+def test_param_passed_into_branch_but_never_read_is_unused():
+  """Dead code is removed before planning (as XLA removes it): nothing to gather."""
+  params = {"a": jnp.ones((4, 4)), "head": jnp.ones((4, 3))}
+  loss = lambda p, x: lax.cond(True, lambda h, w: h, lambda h, w: h, x, p["a"]).sum()
+  assert not uses(zjax.trace_program(loss, params, X), "a")
+  aux = lambda p, x: (jnp.tanh(x @ p["a"]), x @ p["head"])[0].sum()  # an unused head
+  t = zjax.trace_program(aux, params, X)
+  assert not uses(t, "head") and len(uses(t, "a")) == 1
 
 
 def test_while_and_fori_loop():

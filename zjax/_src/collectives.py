@@ -16,9 +16,9 @@ def all_gather_bucket(chunks, entries, num_devices: int, axis: str) -> list:
   return layout.unpack_gathered(full, entries, num_devices)
 
 
-def reduce_scatter_bucket(grads, entries, num_devices: int, axis: str) -> list:
-  """Each member's whole gradient (natural shape) -> this device's chunk of the gradient
-  averaged over devices."""
+def reduce_scatter_bucket(grads, entries, num_devices: int, axis: str, wire_dtype) -> list:
+  """Each member's whole gradient (natural shape, one dtype) -> this device's chunk of the
+  gradient averaged over devices, in that dtype; summed in `wire_dtype` (ir.reduce_wire_dtype)."""
   packed = layout.pack_for_scatter(grads, entries, num_devices)
-  mine = lax.psum_scatter(packed, axis, scatter_dimension=0, tiled=False)
-  return layout.split_chunks(mine / num_devices, entries, num_devices)
+  mine = lax.psum_scatter(packed.astype(wire_dtype), axis, scatter_dimension=0, tiled=False)
+  return layout.split_chunks((mine / num_devices).astype(packed.dtype), entries, num_devices)

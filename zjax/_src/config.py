@@ -16,6 +16,7 @@ _ELEMENT_KNOBS = {
     "sub_group_size": "must be > 0",
 }
 _POSITIVE_KNOBS = ("max_live_parameters", "sub_group_size")
+GRADIENT_REDUCTIONS = ("once", "per_gather")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -39,6 +40,12 @@ class ZeroConfig:
     axis_name: name of the mesh axis that parameters are sharded over and the batch is
       split over. The loss may use collectives over it (`lax.pmean`, `axis_index`,
       `nn.BatchNorm(axis_name=...)` for synchronised batch statistics).
+    gradient_reduction: when a bucket gathered several times in forward (a tied embedding,
+      a weight reused after max_reuse_distance released it) has its gradient
+      reduce-scattered: "once" (default, as DeepSpeed: one reduce-scatter per step, after
+      its last backward use; the full gradient stays live between its backward uses) or
+      "per_gather" (after each gathered instance's backward uses: less live gradient
+      memory, one reduce-scatter per forward gather).
     fold_rng_keys: fold each device's position on the axis into every 0-d PRNG key leaf of
       the batch (`jax.random.fold_in(key, device)`), so that devices draw independent
       randomness (dropout masks) for their shares of the batch; deterministic for a given
@@ -59,6 +66,7 @@ class ZeroConfig:
   compute_dtype: Any = None
   reduce_dtype: Any = None
   axis_name: str = "fsdp"
+  gradient_reduction: str = "once"
   fold_rng_keys: bool = True
 
   def __post_init__(self):
@@ -70,6 +78,9 @@ class ZeroConfig:
       raise ValueError(
           f"ZeroConfig.axis_name must be a non-empty string naming a mesh axis, "
           f"got {self.axis_name!r}.")
+    if self.gradient_reduction not in GRADIENT_REDUCTIONS:
+      raise ValueError(f"ZeroConfig.gradient_reduction must be one of "
+                       f"{list(GRADIENT_REDUCTIONS)}, got {self.gradient_reduction!r}.")
     if not isinstance(self.fold_rng_keys, bool):
       raise ValueError(f"ZeroConfig.fold_rng_keys must be True or False, got "
                        f"{self.fold_rng_keys!r}.")

@@ -149,6 +149,9 @@ class _DeviceProgram:
   def reduce_dtype(self, i):
     return ir.reduce_dtype(self.s.params[i].dtype, self.s.config)
 
+  def wire_dtype(self, i):
+    return ir.reduce_wire_dtype(self.reduce_dtype(i), self.s.platform)
+
   def run(self, shard_leaves, batch, extra):
     """-> ((mean loss, new extra averaged over devices), local gradient shards)."""
     if self.s.config.fold_rng_keys and self.n > 1:
@@ -231,7 +234,8 @@ class _State:
     grads = [self.full_grads.pop(i, None) for i in members]
     grads = [jnp.zeros(e.shape, self.dp.reduce_dtype(i)) if g is None else
              g.astype(self.dp.reduce_dtype(i)) for i, g, e in zip(members, grads, entries)]
-    chunks = collectives.reduce_scatter_bucket(grads, entries, self.dp.n, self.dp.axis)
+    chunks = collectives.reduce_scatter_bucket(grads, entries, self.dp.n, self.dp.axis,
+                                               self.dp.wire_dtype(members[0]))
     for i, chunk in zip(members, chunks):
       self.add_shard_grad(i, chunk)
 
@@ -366,7 +370,8 @@ class _State:
     for i, entry in enumerate(s.params):
       if entry.persistent and ir.has_gradient(entry) and i in self.full_grads:
         persistent[i] = self.full_grads.pop(i).astype(self.dp.reduce_dtype(i))
-    persistent = self.mean_over_devices(persistent)
+    persistent = {i: g.astype(self.dp.reduce_dtype(i)) for i, g in self.mean_over_devices(
+        {i: g.astype(self.dp.wire_dtype(i)) for i, g in persistent.items()}).items()}
     for i, entry in enumerate(s.params):
       if entry.persistent:
         out.append(persistent.get(i, jnp.zeros(entry.shape, entry.dtype)).astype(entry.dtype))

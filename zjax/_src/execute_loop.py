@@ -101,8 +101,8 @@ class Loop:
       members = self.dp.members[b]
       entries = [layout.layer_entry(self.dp.s.params[i]) for i in members]
       grads = [layer_grads[i].astype(self.dp.reduce_dtype(i)) for i in members]
-      out.update(zip(members, collectives.reduce_scatter_bucket(grads, entries, self.dp.n,
-                                                                self.dp.axis)))
+      out.update(zip(members, collectives.reduce_scatter_bucket(
+          grads, entries, self.dp.n, self.dp.axis, self.dp.wire_dtype(members[0]))))
     return out
 
   # ---- forward ---------------------------------------------------------------------------

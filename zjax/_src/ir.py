@@ -144,6 +144,20 @@ def reduce_dtype(dtype, config) -> np.dtype:
   return dtype
 
 
+# Backends whose collectives reduce 16-bit floats in float32 (XLA's CPU backend turns a bf16
+# reduce-scatter into an f32 one); GPUs (NCCL) and TPUs reduce them natively.
+WIDENING_PLATFORMS = frozenset({"cpu"})
+
+
+def reduce_wire_dtype(dtype, platform: str) -> np.dtype:
+  """The dtype a gradient reduced in `dtype` travels and is summed in on `platform`: the
+  executor widens 16-bit floats itself where the backend would, so the report is exact."""
+  dtype = jnp.dtype(dtype)
+  if platform in WIDENING_PLATFORMS and is_float(dtype) and dtype.itemsize < 4:
+    return jnp.dtype(jnp.float32)
+  return dtype
+
+
 def gathered_bytes(elements: int, num_devices: int, dtype) -> int:
   """Bytes of a bucket's all-gather output (`elements` padded elements in all): 16-bit
   values travel packed two per 32-bit word (see layout.to_wire), odd lengths padded."""

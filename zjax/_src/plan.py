@@ -39,7 +39,8 @@ from zjax._src.trace import ProgramTrace, data_axis_bound, trace_for_schedule
 
 def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
                      num_devices: int | None = None, config: ZeroConfig | None = None,
-                     frozen: Any = None, extra: Any = None) -> Schedule:
+                     frozen: Any = None, extra: Any = None,
+                     platform: str | None = None) -> Schedule:
   """Trace `loss_fn(params, batch)` and plan its ZeRO-3 schedule.
 
   Args:
@@ -58,6 +59,9 @@ def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
       gathered for compute but get no gradient communication and no optimizer state.
     extra: non-parameter state (e.g. batch statistics) for a loss of the form
       `loss_fn(params, batch, extra) -> (loss, new_extra)`: replicated, not differentiated.
+    platform: the backend whose compiled program the report predicts ("cpu", "gpu",
+      "tpu"); by default the mesh's, or JAX's default backend. On "cpu" 16-bit gradients
+      are reduced in float32, as XLA's CPU collectives do, and the report counts those bytes.
 
   Example:
     >>> import jax, jax.numpy as jnp, zjax
@@ -72,7 +76,10 @@ def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
     raise TypeError(f"config must be a zjax.ZeroConfig, got {type(config).__name__}.")
   n = _resolve_num_devices(mesh, num_devices, config.axis_name)
   trace = trace_for_schedule(loss_fn, params, batch, config, n, extra)
-  schedule = plan_schedule(trace, config, n, frozen=_frozen_indices(params, frozen, trace))
+  if platform is None:
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+  schedule = plan_schedule(trace, config, n, frozen=_frozen_indices(params, frozen, trace),
+                           platform=platform)
   object.__setattr__(schedule, "params_treedef", jax.tree_util.tree_structure(params))
   return schedule
 
@@ -91,13 +98,13 @@ def _frozen_indices(params, frozen, trace) -> frozenset:
 
 
 def plan_schedule(trace: ProgramTrace, config: ZeroConfig, num_devices: int,
-                  frozen: frozenset = frozenset()) -> Schedule:
+                  frozen: frozenset = frozenset(), platform: str = "") -> Schedule:
   """Plan a schedule from a traced program (see the module docstring for the steps)."""
   with data_axis_bound(config, num_devices):  # segment vjps are traced while planning
-    return _plan(trace, config, num_devices, frozen)
+    return _plan(trace, config, num_devices, frozen, platform)
 
 
-def _plan(trace, config, num_devices, frozen) -> Schedule:
+def _plan(trace, config, num_devices, frozen, platform) -> Schedule:
   persistent = {p.index for p in trace.params
                 if num_devices == 1 or p.size <= config.param_persistence_threshold}
   sharded = {p.index for p in trace.params if p.index not in persistent}
@@ -124,7 +131,8 @@ def _plan(trace, config, num_devices, frozen) -> Schedule:
   lengths = {b: entries[members[0]].shape[0] for b, (*_, members) in enumerate(groups)
              if buckets[b].stacked}
   forward, backward = _StepPlanner(segments, elements, buckets, config, lengths).plan()
-  return Schedule(num_devices=num_devices, config=config, num_ops=len(trace.ops),
+  return Schedule(num_devices=num_devices, platform=platform, config=config,
+                  num_ops=len(trace.ops),
                   program_hash=program_hash(o.primitive for o in trace.ops), params=entries,
                   buckets=buckets, segments=segments, forward=forward, backward=backward)
 
@@ -280,11 +288,22 @@ class _StepPlanner:
                      live_at_start=i.keep_turn) for i in instances if i.backward_uses]
     fwd_live = self._place_gathers(fwd, self.loop_need)
     bwd_live = self._place_gathers(bwd, self.loop_need[::-1])
-    scatter_at = [(k - 1 - i.start, i.bucket) for i in instances
+    scatter_at = [(k - 1 - i.start, i.bucket) for i in self._reducing(instances)
                   if ir.has_gradient(self.buckets[i.bucket])]
     forward = self._emit(fwd, "forward", scatter_at=[], live=fwd_live)
     backward = self._emit(bwd, "backward", scatter_at=scatter_at, live=bwd_live)
     return forward, backward
+
+  def _reducing(self, instances) -> list[_Instance]:
+    """The instances after whose backward uses a reduce-scatter runs: every one, or per
+    bucket only the first (its backward comes last: one reduction per step)."""
+    if self.config.gradient_reduction == "per_gather":
+      return instances
+    first = {}
+    for inst in instances:
+      if inst.bucket not in first or inst.start < first[inst.bucket].start:
+        first[inst.bucket] = inst
+    return list(first.values())
 
   def _distance(self, i: int, j: int) -> int:
     """Elements of work strictly between forward segments i < j."""

@@ -33,7 +33,7 @@ def make_report(s, sim) -> dict:
       "reduce_scatter_count": len(scatters),
       "reduce_scatter_bytes": sum(grad_bytes[st.bucket] for st in scatters),
       "persistent_grad_all_reduce_bytes": sum(
-          p.size * ir.reduce_dtype(p.dtype, s.config).itemsize
+          p.size * ir.reduce_wire_dtype(ir.reduce_dtype(p.dtype, s.config), s.platform).itemsize
           for p in persistent if ir.has_gradient(p)),
       "peak_live_param_bytes": max(sim.forward_live + sim.backward_live, default=0),
       "peak_live_grad_bytes": max(sim.backward_grad_live, default=0),

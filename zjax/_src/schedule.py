@@ -42,6 +42,9 @@ class Schedule:
   forward: tuple[ir.Step, ...]
   backward: tuple[ir.Step, ...]
   fingerprint: str = ""
+  # The backend the report predicts for ("cpu", "gpu", "tpu"; "" = unspecified): it decides
+  # the dtype 16-bit gradients are reduced in (ir.reduce_wire_dtype).
+  platform: str = ""
   # The params' pytree structure, known when compiled in this process (not saved in JSON).
   params_treedef = None
 
@@ -87,6 +90,7 @@ class Schedule:
         "version": ir.FORMAT_VERSION,
         "fingerprint": self.fingerprint,
         "num_devices": self.num_devices,
+        "platform": self.platform,
         "config": self.config.to_dict(),
         "program": {"num_ops": self.num_ops, "hash": self.program_hash},
         "params": [dataclasses.asdict(p) for p in self.params],
@@ -226,6 +230,7 @@ def _parse(data) -> dict:
   return dict(
       fingerprint=_field(data, "fingerprint", str, "top level"),
       num_devices=_field(data, "num_devices", int, "top level"),
+      platform=_optional(data, "platform", str, "top level", ""),
       config=config,
       num_ops=_field(program, "num_ops", int, "'program'"),
       program_hash=_field(program, "hash", str, "'program'"),

@@ -141,7 +141,8 @@ class _Simulator:
     self.bytes = [ir.gathered_bytes(n, s.num_devices,
                                     ir.gather_dtype(b.dtype, s.config.compute_dtype))
                   for n, b in zip(self.elements, s.buckets)]
-    self.grad_bytes = [n * ir.reduce_dtype(b.dtype, s.config).itemsize
+    self.grad_bytes = [n * ir.reduce_wire_dtype(ir.reduce_dtype(b.dtype, s.config),
+                                                s.platform).itemsize
                        for n, b in zip(self.elements, s.buckets)]
     self.cap = s.config.max_live_parameters
     self.in_loop = False
@@ -308,12 +309,17 @@ class _Simulator:
       b = min(self.live)
       raise ScheduleError(f"{describe_bucket(self.s, b)} is still gathered at the end of the "
                           f"backward steps; release it.")
+    per_gather = self.s.config.gradient_reduction == "per_gather"
     for b, bucket in enumerate(self.s.buckets):
-      if ir.has_gradient(bucket) and self.reduce_scatters[b] != self.forward_gathers[b]:
+      expected = self.forward_gathers[b] if per_gather else min(1, self.forward_gathers[b])
+      if ir.has_gradient(bucket) and self.reduce_scatters[b] != expected:
+        rule = ("each forward gather's gradient is reduce-scattered once (gradient_reduction="
+                "'per_gather')" if per_gather else "its gradient is reduce-scattered once "
+                "per step, after its last backward use (gradient_reduction='once')")
         raise ScheduleError(
             f"{describe_bucket(self.s, b)} is gathered {self.forward_gathers[b]} time(s) in "
             f"forward but reduce-scattered {self.reduce_scatters[b]} time(s) in backward; "
-            f"each forward gather's gradient is reduce-scattered once.")
+            f"{rule}.")
 
 
 def bucket_elements(s) -> list[int]:

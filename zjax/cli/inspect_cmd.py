@@ -27,6 +27,9 @@ def add_parser(subparsers) -> None:
   p.add_argument("target")
   p.add_argument("--devices", type=int, default=None,
                  help="number of devices N to plan for (default: devices present)")
+  p.add_argument("--platform", default=None, choices=("cpu", "gpu", "tpu"),
+                 help="backend whose compiled program the report predicts (default: this "
+                      "machine's); on cpu, 16-bit gradients are reduced in float32")
   p.add_argument("--json", metavar="FILE", help="write {report, schedule} as JSON to FILE")
   p.add_argument("--save", metavar="FILE", help="write the schedule (loadable JSON) to FILE")
   p.add_argument("--summary", action="store_true", help="print only the report")
@@ -46,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     raise ValueError(f"--devices must be >= 1, got {devices}.")
   start = time.perf_counter()
   trace = trace_for_schedule(target.loss_fn, target.params, target.batch, config, devices)
-  schedule = plan_schedule(trace, config, devices)
+  schedule = plan_schedule(trace, config, devices,
+                           platform=args.platform or jax.default_backend())
   seconds = time.perf_counter() - start
   report = schedule.report()
   if not args.summary:
