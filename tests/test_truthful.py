@@ -76,6 +76,30 @@ def test_no_all_reduce_beyond_persistent_params_and_scalars():
   assert hlo["all_reduce_bytes"] <= 16  # the loss only
 
 
+@pytest.mark.parametrize("reduce_dtype", [None, jnp.float32])
+def test_bf16_parameters_report_equals_the_compiled_program(reduce_dtype):
+  """bf16 parameters: gathers travel as packed words, gradients are reduced in bf16 where
+  the backend can and in f32 on CPU (XLA's CPU collectives widen 16-bit floats; the
+  executor does it explicitly and the report counts f32 bytes). Counts and bytes equal."""
+  loss, params, batch = mlp(num_layers=3)
+  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  config = zjax.ZeroConfig(param_persistence_threshold=64, max_reuse_distance=0,
+                           reduce_dtype=reduce_dtype)
+  schedule, report, hlo = compiled_summary((loss, params, batch), config)
+  assert schedule.platform == "cpu" and report["reduce_scatter_count"] == 3
+  assert report["reduce_scatter_bytes"] == 3 * 64 * 64 * 4  # f32 on the wire
+  for kind in ("all_gather", "reduce_scatter"):
+    assert (hlo[f"{kind}_count"], hlo[f"{kind}_bytes"]) == \
+        (report[f"{kind}_count"], report[f"{kind}_bytes"]), kind
+  assert report["persistent_grad_all_reduce_bytes"] == 3 * 64 * 4
+  assert report["persistent_grad_all_reduce_bytes"] <= hlo["all_reduce_bytes"] <= \
+      report["persistent_grad_all_reduce_bytes"] + 16  # + the loss
+  gpu = zjax.compile_schedule(loss, params, batch, num_devices=8, config=config,
+                              platform="gpu").report()
+  native = 2 if reduce_dtype is None else 4
+  assert gpu["reduce_scatter_bytes"] == 3 * 64 * 64 * native
+
+
 def test_one_device_has_no_collectives():
   _, report, hlo = compiled_summary(mlp(), zjax.ZeroConfig(param_persistence_threshold=0), n=1)
   assert report["all_gather_count"] == report["reduce_scatter_count"] == 0
