@@ -32,8 +32,14 @@ batch = lambda step: {"tokens": batch_at(text, step, 16, cfg.seq_len, seed=0)}
 # 1. plan: trace the loss and derive the schedule (shapes only; nothing is allocated)
 mesh = jax.make_mesh((args.devices,), ("fsdp",))
 shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, cfg.seq_len), jnp.int32))
-schedule = zjax.compile_schedule(loss_fn, shapes, batch(0), mesh=mesh)
-print(schedule.report()["all_gather_count"], "all-gathers per step")
+# DeepSpeed's default persistence threshold (1e5 elements) would replicate every parameter
+# of a model this small; shard everything above 4096 elements instead.
+config = zjax.ZeroConfig(param_persistence_threshold=4096)
+schedule = zjax.compile_schedule(loss_fn, shapes, batch(0), mesh=mesh, config=config)
+report = schedule.report()
+print(f"{report['num_sharded_params']} of {report['num_params']} parameters sharded; "
+      f"{report['all_gather_count']} all-gathers, {report['reduce_scatter_count']} "
+      f"reduce-scatters per step")
 
 # 2. train: optax on the local shards; the state is sharded from the start
 trainer = zjax.zero3(loss_fn, optax.adamw(3e-3), schedule, mesh=mesh)

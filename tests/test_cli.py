@@ -1,5 +1,6 @@
 """`zjax inspect`: output, files, and clear errors for bad targets."""
 
+import argparse
 import json
 import pathlib
 import re
@@ -91,3 +92,13 @@ def test_console_script_is_installed():
                         capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr
   assert re.search(r"num_devices\s+16\n", done.stdout)
+
+
+def test_every_option_of_every_command_has_help():
+  from zjax.cli.main import build_parser
+  parser = build_parser()
+  (subparsers,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+  for name, sub in subparsers.choices.items():
+    for action in sub._actions:
+      if not isinstance(action, argparse._HelpAction):
+        assert action.help, (name, action.option_strings or action.dest)

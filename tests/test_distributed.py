@@ -84,4 +84,6 @@ def test_a_plain_run_does_not_join_anything():
 def test_launch_bad_arguments():
   done = subprocess.run([sys.executable, "-m", "zjax.cli.main", "launch", "--nproc", "0",
                          "--", "true"], capture_output=True, text=True, timeout=300)
-  assert done.returncode == 2 and "--nproc" in done.stderr
+  assert done.returncode == 2
+  assert done.stderr.strip() == "zjax launch: error: --nproc must be a positive number of " \
+      "processes, got 0."

@@ -41,6 +41,8 @@ def test_train_end_to_end_then_resume_on_other_devices_scanned(tmp_path):
   assert summary["steps"] == 8 and summary["tokens_per_second"] > 0
   assert summary["all_gather_bytes"] > 0 and summary["per_device_state_bytes"] > 0
   assert "Plan" in first.stdout and "Summary" in first.stdout
+  assert "state per device (params + adam moments)" in first.stdout
+  assert max(len(line) for line in first.stdout.splitlines()) > 80  # piped: no 80-column wrap
 
   # a second run on 2 devices resumes from step 8's checkpoint
   second = zjax_cli("train", *TINY, "--steps", "10", "--devices", "2", "--lr", "1e-2",
@@ -52,11 +54,14 @@ def test_train_end_to_end_then_resume_on_other_devices_scanned(tmp_path):
   assert [row["step"] for row in metrics["train"]] == list(range(1, 11))
   assert metrics["train"][-1]["loss"] < losses[0] - 0.5
 
-  # a finished run started again: nothing left to train, the outputs are rewritten
+  # a finished run started again: nothing to train, the metrics are kept as they were
+  finished = (out / "metrics.json").read_text()
   third = zjax_cli("train", *TINY, "--steps", "10", "--devices", "2", "--lr", "1e-2",
                    "--scan", "--out-dir", str(out))
-  assert third.returncode == 0 and "resumed from step 10" in third.stdout, third.stderr[-3000:]
-  assert len(json.loads((out / "metrics.json").read_text())["train"]) == 10
+  assert third.returncode == 0, third.stderr[-3000:]
+  assert "already complete: step 10 of 10" in third.stdout
+  assert (out / "metrics.json").read_text() == finished
+  assert json.loads(finished)["summary"]["tokens_per_second"] > 0
 
   # resume off on a directory with checkpoints: refused, nothing touched
   before = sorted(p.name for p in (out / "checkpoints").iterdir())
@@ -91,7 +96,7 @@ def test_resume_with_another_model_fails_clearly(tmp_path):
     (["--bogus-option", "3"], "unrecognized arguments: --bogus-option"),
     (["--batch", "12", "--devices", "8"], "not divisible by devices 8"),
     (["--out-dir", "/proc/zjax-cannot-write-here"], "cannot be created or written"),
-    (["--precision", "fp8"], "precision must be"),
+    (["--precision", "fp8"], "invalid choice: 'fp8'"),
 ])
 def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, args, message):
   done = zjax_cli("train", *args, cwd=tmp_path)

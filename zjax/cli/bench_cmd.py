@@ -14,17 +14,21 @@ def add_parser(subparsers) -> None:
                   "plots. Step times are medians of interleaved rounds.")
   p.add_argument("--model", default="gpt", help="'gpt' (zjax/models/gpt.py; also scanned) or "
                  "PATH.py:FUNCTION / MODULE:FUNCTION as for zjax inspect")
-  p.add_argument("--devices", type=int, default=8)
+  p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (or the "
+                 "first N accelerators) of the compared mesh")
   p.add_argument("--layers", type=int, default=8, help="GPT layers")
   p.add_argument("--d-model", type=int, default=128, help="GPT width")
   p.add_argument("--batch", type=int, default=16, help="GPT global batch (sequences)")
-  p.add_argument("--rounds", type=int, default=7)
-  p.add_argument("--steps-per-round", type=int, default=3)
+  p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (each "
+                 "method once per round); times are medians over rounds")
+  p.add_argument("--steps-per-round", type=int, default=3, help="steps timed per method and "
+                 "round")
   p.add_argument("--scale-devices", type=int, nargs="*", default=[1, 2, 4, 8],
                  help="device counts of the state-vs-N sweep (empty: skip)")
   p.add_argument("--scale-layers", type=int, nargs="*", default=[4, 8, 16, 32],
                  help="depths of the temp-vs-L sweep, GPT only (empty: skip)")
-  p.add_argument("--json", metavar="FILE", default="bench.json")
+  p.add_argument("--json", metavar="FILE", default="bench.json",
+                 help="where the results go (JSON)")
   p.add_argument("--plots", metavar="DIR", default=".", help="where the PNGs go")
   p.set_defaults(run=run)
 

@@ -24,7 +24,7 @@ def add_parser(subparsers) -> None:
                   "(loss_fn, params, batch) or (loss_fn, params, batch, ZeroConfig), where "
                   "params and batch may be jax.ShapeDtypeStructs. Planning is analytic: "
                   "--devices may exceed the devices present.")
-  p.add_argument("target")
+  p.add_argument("target", help="PATH.py:FUNCTION or MODULE:FUNCTION (see above)")
   p.add_argument("--devices", type=int, default=None,
                  help="number of devices N to plan for (default: devices present)")
   p.add_argument("--platform", default=None, choices=("cpu", "gpu", "tpu"),
@@ -76,10 +76,19 @@ def _config(base: ZeroConfig | None, args) -> ZeroConfig:
   return dataclasses.replace(base or ZeroConfig(), **overrides)
 
 
+_REPORT_NOTES = {
+    "state_bytes_per_device": "parameters only; the optimizer adds its state, e.g. adam "
+                              "2x this",
+    "peak_live_param_bytes": "gathered (full) parameters alive at once",
+    "peak_live_grad_bytes": "full gradients awaiting their reduce-scatter",
+}
+
+
 def _format_report(report: dict) -> str:
   width = max(len(k) for k in report)
   lines = ["report (per device, per training step):"]
   for key, value in report.items():
     shown = f"{value}  ({render.format_bytes(value)})" if "bytes" in key else value
-    lines.append(f"  {key.ljust(width)}  {shown}")
+    note = _REPORT_NOTES.get(key)
+    lines.append(f"  {key.ljust(width)}  {shown}" + (f"  [{note}]" if note else ""))
   return "\n".join(lines)

@@ -29,9 +29,13 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-  if args.nproc < 1 or args.devices_per_process < 1 or args.timeout <= 0:
-    raise ValueError("--nproc and --devices-per-process must be positive integers and "
-                     "--timeout a positive number of seconds.")
+  if args.nproc < 1:
+    raise ValueError(f"--nproc must be a positive number of processes, got {args.nproc}.")
+  if args.devices_per_process < 1:
+    raise ValueError(f"--devices-per-process must be a positive integer, got "
+                     f"{args.devices_per_process}.")
+  if not args.timeout > 0:
+    raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout:g}.")
   address = f"127.0.0.1:{_free_port()}"
   processes = []
   for rank in range(args.nproc):

@@ -11,7 +11,7 @@ from zjax.cli.target import TargetError
 def build_parser() -> argparse.ArgumentParser:
   parser = _OneLineParser(
       prog="zjax", description="ZeRO-3 fully sharded data parallelism for JAX.")
-  subparsers = parser.add_subparsers(dest="command", required=True,
+  subparsers = parser.add_subparsers(dest="subcommand", required=True,
                                      parser_class=_OneLineParser)
   inspect_cmd.add_parser(subparsers)
   train_cmd.add_parser(subparsers)
@@ -32,7 +32,7 @@ def main(argv=None) -> int:
   try:
     return args.run(args)
   except (ZjaxError, TargetError, ValueError, TypeError) as e:
-    print(f"zjax {args.command}: error: {e}", file=sys.stderr)
+    print(f"zjax {args.subcommand}: error: {e}", file=sys.stderr)
     return 2
 
 

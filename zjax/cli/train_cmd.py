@@ -20,11 +20,14 @@ def add_parser(subparsers) -> None:
                  "as the flags, with underscores)")
   for field in dataclasses.fields(settings_lib.TrainSettings):
     flag = "--" + field.name.replace("_", "-")
+    text = f"{settings_lib.HELP[field.name]} (default {field.default})"
     if isinstance(field.default, bool):
-      p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+      p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+    elif field.name == "precision":
+      p.add_argument(flag, choices=settings_lib.PRECISIONS, default=None, help=text)
     else:
       p.add_argument(flag, type=type(field.default), default=None, metavar=field.name.upper(),
-                     help=f"default {field.default}")
+                     help=text)
   p.set_defaults(run=run)
 
 
@@ -41,5 +44,9 @@ def run(args) -> int:
   devices.setup(settings.devices)
   from rich.console import Console  # after the device setup: jax must not start earlier
   from zjax.job.run import train
-  train(settings, Console())
+  # piped output (logs, CI): no hard wrap at 80 columns
+  console = Console()
+  if not console.is_terminal:
+    console = Console(width=160, soft_wrap=True)
+  train(settings, console)
   return 0

@@ -39,16 +39,34 @@ def plan_table(schedule, num_params: int, param_bytes: int) -> Table:
   return table
 
 
+# What each summary entry (metrics.json "summary") is, for people.
+SUMMARY_LABELS = {
+    "steps": "optimizer steps taken",
+    "final_train_loss": "final train loss (nats/byte)",
+    "final_validation_loss": "final validation loss (nats/byte)",
+    "tokens_per_second": "throughput (tokens/s, compile excluded)",
+    "wall_seconds": "wall time (s)",
+    "devices": "devices",
+    "per_device_state_bytes": "state per device (params + adam moments)",
+    "step_temp_bytes": "step scratch memory per device (XLA temp)",
+    "step_argument_bytes": "step inputs per device (state + batch)",
+    "all_gather_bytes": "all-gather bytes per step (compiled)",
+    "reduce_scatter_bytes": "reduce-scatter bytes per step (compiled)",
+    "all_reduce_bytes": "all-reduce bytes per step (compiled)",
+    "schedule_collective_bytes": "all-gather + reduce-scatter bytes (schedule)",
+}
+
+
 def summary_table(summary: dict) -> Table:
-  table = Table(title="Summary")
-  table.add_column("")
-  table.add_column("", justify="right")
+  table = Table(title="Summary", show_header=False)
+  table.add_column("what")
+  table.add_column("value", justify="right")
   for key, value in summary.items():
     if isinstance(value, float):
       value = f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
     elif key.endswith("bytes"):
       value = format_bytes(value)
-    table.add_row(key.replace("_", " "), str(value))
+    table.add_row(SUMMARY_LABELS.get(key, key.replace("_", " ")), str(value))
   return table
 
 
@@ -58,6 +76,14 @@ def write_metrics(path: pathlib.Path, history: dict, summary: dict, settings: di
   temporary.write_text(json.dumps({"settings": settings, "summary": summary, **history},
                                   indent=1))
   temporary.replace(path)
+
+
+def read_summary(path: pathlib.Path) -> dict:
+  """The summary an earlier run wrote ({} when there is none)."""
+  try:
+    return json.loads(path.read_text()).get("summary", {})
+  except (OSError, ValueError):
+    return {}
 
 
 def read_history(path: pathlib.Path, up_to_step: int) -> dict:

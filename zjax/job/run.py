@@ -41,6 +41,11 @@ def train(settings, console: Console) -> dict:
   metrics_path = settings.checkpoint_dir.parent / "metrics.json"
   state, history = _start(settings, ckpt, trainer, model, metrics_path, console)
   first_step = int(state.step)
+  if first_step >= settings.steps:
+    ckpt.close()
+    console.print(f"already complete: step {first_step} of {settings.steps}; nothing to "
+                  f"train and {metrics_path} is kept. Raise --steps to train further.")
+    return outputs.read_summary(metrics_path)
 
   batch_at = lambda step: {"tokens": corpus_lib.batch_at(
       data.train, step, settings.batch, settings.seq_len, settings.seed)}
@@ -49,7 +54,7 @@ def train(settings, console: Console) -> dict:
   timed_steps, timed_seconds, speed = 0, 0.0, 0.0
   with _progress(console, settings) as progress:
     task = progress.add_task("train", total=settings.steps, completed=first_step,
-                             loss=float("nan"), speed=0.0)
+                             status="compiling the step...", speed=0.0)
     for step in range(first_step, settings.steps):
       tick = time.perf_counter()
       state, metrics = trainer.step(state, batch_at(step))
@@ -58,7 +63,7 @@ def train(settings, console: Console) -> dict:
         timed_steps, timed_seconds = timed_steps + 1, timed_seconds + time.perf_counter() - tick
       speed = tokens_per_step * timed_steps / timed_seconds if timed_seconds else 0.0
       history["train"].append({"step": step + 1, "loss": loss})
-      progress.update(task, advance=1, loss=loss, speed=speed)
+      progress.update(task, advance=1, status=f"loss {loss:.4f}", speed=speed)
       _log_plain(console, settings, step + 1, loss, speed)
       done = step + 1
       if done % settings.eval_every == 0 or done == settings.steps:
@@ -179,7 +184,7 @@ def _summary(settings, trainer, state, history, speed, seconds, batch) -> dict:
 def _progress(console, settings):
   return Progress(TextColumn("[bold]{task.description}"), BarColumn(),
                   TextColumn("{task.completed}/{task.total}"),
-                  TextColumn("loss {task.fields[loss]:.4f}"),
+                  TextColumn("{task.fields[status]}"),
                   TextColumn("{task.fields[speed]:,.0f} tok/s"), TimeRemainingColumn(),
                   console=console, disable=not console.is_terminal)
 

@@ -53,7 +53,7 @@ class TrainSettings:
                           f"--batch {self.devices * max(1, self.batch // self.devices)}).")
     if self.d_model % self.n_head:
       raise SettingsError(f"d_model {self.d_model} is not divisible by n_head {self.n_head}.")
-    if self.precision not in ("fp32", "bf16"):
+    if self.precision not in PRECISIONS:
       raise SettingsError(f"precision must be 'fp32' or 'bf16', got {self.precision!r}.")
     if not (isinstance(self.lr, (int, float)) and self.lr > 0):
       raise SettingsError(f"lr must be a positive number, got {self.lr!r}.")
@@ -66,6 +66,35 @@ class TrainSettings:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainSettings)}
+PRECISIONS = ("fp32", "bf16")
+HELP = {  # what each setting does (the flags' help)
+    "d_model": "GPT width (embedding size)",
+    "n_layer": "GPT blocks",
+    "n_head": "attention heads (must divide d_model)",
+    "d_ff": "MLP hidden size",
+    "seq_len": "context length in bytes",
+    "scan": "stack the blocks with nn.scan: zjax gathers one layer per loop iteration "
+            "(less memory, faster compile) instead of one segment per block",
+    "devices": "simulated CPU devices, or the first N accelerators",
+    "steps": "optimizer steps in all (a resumed run continues up to this step)",
+    "batch": "global batch in sequences (a multiple of --devices)",
+    "lr": "peak learning rate (adamw, warmup then cosine decay)",
+    "warmup_steps": "linear warmup steps",
+    "min_lr_ratio": "the cosine decay ends at lr x this",
+    "weight_decay": "adamw weight decay",
+    "precision": "fp32, or bf16: parameters gathered and computed in bf16 with fp32 master "
+                 "shards (ZeroConfig.compute_dtype)",
+    "seed": "seed of the initial parameters and the batch order",
+    "corpus_bytes": "bytes of standard-library source to train on",
+    "eval_every": "validate every this many steps",
+    "eval_batches": "validation batches per evaluation",
+    "checkpoint_every": "checkpoint every this many steps (asynchronously)",
+    "out_dir": "where metrics.json, loss.png, sample.txt and checkpoints/ go",
+    "resume": "continue from the latest checkpoint in OUT_DIR/checkpoints (on any device "
+              "count); --no-resume refuses a directory that holds checkpoints",
+    "sample_bytes": "bytes of text to generate at the end",
+    "log_every": "progress lines every this many steps when the output is not a terminal",
+}
 
 
 def load_file(path) -> dict:
