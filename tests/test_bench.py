@@ -25,6 +25,7 @@ def test_bench_runs_and_writes_json_and_plots(tmp_path):
   for r in results["compare"]:
     assert r["step_seconds_min"] <= r["step_seconds_median"] <= r["step_seconds_max"]
     assert r["state_bytes"] > 0 and r["flops"] > 0
+    assert r["compile_seconds"] > 0 and r["setup_seconds"] > 0  # measured apart
   assert {(r["devices"], r["method"]) for r in results["devices"]} == {
       (n, m) for n in (1, 2) for m in ("zjax", "gspmd_fsdp", "data_parallel")}
   assert {r["layers"] for r in results["depth"]} == {1, 2}

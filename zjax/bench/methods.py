@@ -10,6 +10,7 @@ optax adamw update) on the same mesh and batch:
 """
 
 import dataclasses
+import time
 from typing import Any, Callable
 
 import jax
@@ -27,23 +28,30 @@ class Method:
   compiled: Any  # the compiled training step
   run: Callable[[], Any]  # one step (state carried inside); returns the loss
   state: Callable[[], Any]  # the current (params, optimizer state)
+  setup_seconds: float  # before the step compiles: zjax plans and inits (optimizer check
+  #                       included), the others place parameters and init the optimizer
+  compile_seconds: float  # lowering + XLA compilation of the training step, nothing else
   schedule: Any = None  # zjax only
 
 
 def zjax_method(name, loss_fn, params, batch, mesh, config, optimizer) -> Method:
+  start = time.perf_counter()
   schedule = zjax.compile_schedule(loss_fn, params, batch, mesh=mesh, config=config)
   trainer = zjax.zero3(loss_fn, optimizer, schedule, mesh=mesh)
-  box = [trainer.init(params)]
-  compiled = trainer.step.lower(box[0], batch).compile()
+  box = [jax.block_until_ready(trainer.init(params))]
+  setup = time.perf_counter() - start
+  compiled, seconds = _compile(lambda: trainer.step.lower(box[0], batch))
 
   def run():  # the compiled program itself: no second compilation by the first call
     box[0], metrics = compiled(box[0], batch)
     return metrics["loss"]
 
-  return Method(name, compiled, run, lambda: (box[0].params, box[0].opt_state), schedule)
+  return Method(name, compiled, run, lambda: (box[0].params, box[0].opt_state), setup,
+                seconds, schedule)
 
 
 def gspmd_method(name, loss_fn, params, batch, mesh, optimizer, shard_params) -> Method:
+  start = time.perf_counter()
   axis, n = mesh.axis_names[0], mesh.devices.size
   spec = (lambda x: layout.largest_dim_spec(x.shape, n, axis)) if shard_params else \
       (lambda x: P())
@@ -65,11 +73,19 @@ def gspmd_method(name, loss_fn, params, batch, mesh, optimizer, shard_params) ->
     return optax.apply_updates(params, updates), opt_state, loss
 
   step = jax.jit(train_step, out_shardings=shardings, donate_argnums=(0, 1))
-  compiled = step.lower(placed, opt_state, placed_batch).compile()
+  setup = time.perf_counter() - start
+  compiled, seconds = _compile(lambda: step.lower(placed, opt_state, placed_batch))
   box = [placed, opt_state]
 
   def run():
     box[0], box[1], loss = compiled(box[0], box[1], placed_batch)
     return loss
 
-  return Method(name, compiled, run, lambda: (box[0], box[1]))
+  return Method(name, compiled, run, lambda: (box[0], box[1]), setup, seconds)
+
+
+def _compile(lower):
+  """(compiled step, seconds of lowering + compilation)."""
+  start = time.perf_counter()
+  compiled = lower().compile()
+  return compiled, time.perf_counter() - start

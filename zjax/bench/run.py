@@ -90,25 +90,21 @@ def build_methods(model: Model, mesh, optimizer, scanned=True) -> list:
                                           model.batch, mesh, optimizer, True)),
       ("data_parallel", lambda: gspmd_method("data_parallel", model.loss_fn, model.params,
                                              model.batch, mesh, optimizer, False))]
-  out = []
-  for _, make in methods:
-    start = time.perf_counter()
-    method = make()
-    out.append((method, time.perf_counter() - start))
-  return out
+  return [make() for _, make in methods]
 
 
 def compare(model: Model, mesh, rounds: int, steps_per_round: int) -> list[dict]:
   """The side-by-side table: one row per method."""
   optimizer = optax.adamw(1e-3)
   built = build_methods(model, mesh, optimizer)
-  times = _interleaved_times([m for m, _ in built], rounds, steps_per_round)
+  times = _interleaved_times(built, rounds, steps_per_round)
   psi = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(model.params))
   itemsize = jax.tree.leaves(model.params)[0].dtype.itemsize
   n = mesh.devices.size
   rows = []
-  for method, seconds in built:
-    row = {"method": method.name, "compile_seconds": seconds,
+  for method in built:
+    row = {"method": method.name, "setup_seconds": method.setup_seconds,
+           "compile_seconds": method.compile_seconds,
            **_measured(method), **_timing(times[method.name])}
     row["state_vs_floor"] = row["state_bytes"] / (ADAM_BYTES_PER_PARAM_BYTE * psi * itemsize / n)
     row["comm_vs_3psi"] = (row["all_gather_bytes"] + row["reduce_scatter_bytes"] +
@@ -173,7 +169,7 @@ def scale_devices(model: Model, counts) -> list[dict]:
   rows = []
   for n in counts:
     mesh = mesh_of(n)
-    for method, _ in build_methods(model, mesh, optax.adamw(1e-3), scanned=False):
+    for method in build_methods(model, mesh, optax.adamw(1e-3), scanned=False):
       row = _measured(method)
       rows.append({"devices": n, "method": method.name, "state_bytes": row["state_bytes"],
                    "temp_bytes": row["temp_bytes"]})
@@ -184,10 +180,11 @@ def scale_depth(make_model, depths, mesh) -> list[dict]:
   """Per-device temp of each method for each depth (compile only)."""
   rows = []
   for depth in depths:
-    for method, seconds in build_methods(make_model(depth), mesh, optax.adamw(1e-3)):
+    for method in build_methods(make_model(depth), mesh, optax.adamw(1e-3)):
       rows.append({"layers": depth, "method": method.name,
                    "temp_bytes": int(method.compiled.memory_analysis().temp_size_in_bytes),
-                   "compile_seconds": seconds})
+                   "setup_seconds": method.setup_seconds,
+                   "compile_seconds": method.compile_seconds})
   return rows
 
 
@@ -217,7 +214,7 @@ def main_tables(rows, n) -> list[Table]:
           ("AG", "all_gather_count"), ("AG bytes", "all_gather_bytes"),
           ("RS", "reduce_scatter_count"), ("RS bytes", "reduce_scatter_bytes"),
           ("AR bytes", "all_reduce_bytes"), ("comm / 3Ψ", "comm_vs_3psi"),
-          ("GFLOP", "flops"), ("compile s", "compile_seconds"),
+          ("GFLOP", "flops"), ("setup s", "setup_seconds"), ("compile s", "compile_seconds"),
           ("time / gspmd (min-max)", "time_vs_gspmd")])]
   tables = []
   for title, cols in groups:
