@@ -148,6 +148,28 @@ def test_gradient_accumulation_equals_the_big_batch():
   assert_trees_close(trainer.gather_params(state), ref_params, rtol=1e-5, atol=PARAM_ATOL)
 
 
+def test_accumulation_folds_the_micro_batch_index_into_keys():
+  """Micro-batch i sees fold_in(key, i) (then each device folds in its position): the step
+  equals the mean of value_and_grad over the micro-batches with those keys."""
+  base, params, batch = mlp(num_layers=2, batch=32)
+  loss = lambda p, b: base(p, {"x": jax.random.bernoulli(b["key"], 0.7, b["x"].shape) * b["x"],
+                               "y": b["y"]})
+  batch = dict(batch, key=jax.random.key(5))
+  mesh = mesh_of(8)
+  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=SHARD_ALL)
+  trainer = zjax.zero3(loss, optax.sgd(1.0), schedule, mesh=mesh, accumulation_steps=2)
+  state, metrics = trainer.step(trainer.init(params), batch)
+  grad_fn = zjax.value_and_grad(loss, schedule, mesh=mesh)
+  micro = [dict(x=batch["x"][16 * i:16 * (i + 1)], y=batch["y"][16 * i:16 * (i + 1)],
+                key=jax.random.fold_in(batch["key"], i)) for i in range(2)]
+  results = [grad_fn(zjax.shard(params, schedule, mesh), b) for b in micro]
+  np.testing.assert_allclose(metrics["loss"], np.mean([l for l, _ in results]), rtol=1e-6)
+  grads = zjax.unshard(jax.tree.map(lambda a, b: (a + b) / 2, *[g for _, g in results]),
+                       schedule)
+  assert_trees_close(trainer.gather_params(state),
+                     jax.tree.map(lambda p, g: p - g, params, grads), rtol=1e-6, atol=1e-7)
+
+
 def test_steps_do_not_recompile_and_state_is_donated():
   loss, params, batch = mlp(num_layers=2)
   mesh = mesh_of(8)

@@ -369,12 +369,13 @@ class _State:
     s, out, persistent = self.dp.s, [], {}
     for i, entry in enumerate(s.params):
       if entry.persistent and ir.has_gradient(entry) and i in self.full_grads:
-        persistent[i] = self.full_grads.pop(i).astype(self.dp.reduce_dtype(i))
-    persistent = {i: g.astype(self.dp.reduce_dtype(i)) for i, g in self.mean_over_devices(
-        {i: g.astype(self.dp.wire_dtype(i)) for i, g in persistent.items()}).items()}
+        grad = self.full_grads.pop(i).astype(self.dp.reduce_dtype(i))
+        persistent[i] = grad.astype(self.dp.wire_dtype(i))  # summed as the backend would
+    persistent = self.mean_over_devices(persistent)
     for i, entry in enumerate(s.params):
       if entry.persistent:
-        out.append(persistent.get(i, jnp.zeros(entry.shape, entry.dtype)).astype(entry.dtype))
+        grad = persistent.get(i, jnp.zeros(entry.shape, entry.dtype))
+        out.append(grad.astype(self.dp.reduce_dtype(i)).astype(entry.dtype))
       elif i in self.shard_grads:
         out.append(self.shard_grads[i].astype(entry.dtype))
       else:  # unused, frozen or non-float: zero gradient

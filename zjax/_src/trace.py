@@ -108,7 +108,7 @@ def trace_program(loss_fn: Callable, params: Any, batch: Any, extra: Any = None
     unbound = re.search(r"unbound axis name: ([^\s]+?)\.?(\s|$)", str(e))
     if unbound is None:
       raise
-    raise _unbound_axis_error(unbound.group(1)) from None
+    raise _UnboundAxisError(unbound.group(1)) from None
   _check_loss_output(closed, out_shape, extra)
   program = flatten_program(without_dead_code(closed))
   uses = _find_uses(program, len(path_leaves))
@@ -290,16 +290,13 @@ def _closed_jaxpr_param(eqn) -> jex.Jaxpr:
 
 
 class _UnboundAxisError(TraceError):
+  """The loss uses a collective over an axis that no one bound while tracing."""
 
-  def __init__(self, message, axis):
-    super().__init__(message)
+  def __init__(self, axis: str):
+    super().__init__(
+        f"loss_fn uses a collective over the axis {axis!r} (lax.psum / pmean / axis_index, "
+        f"or e.g. nn.BatchNorm(axis_name={axis!r})), which is not bound while tracing.")
     self.axis = axis
-
-
-def _unbound_axis_error(axis: str) -> TraceError:
-  return _UnboundAxisError(
-      f"loss_fn uses a collective over the axis {axis!r} (lax.psum / pmean / axis_index, or "
-      f"e.g. nn.BatchNorm(axis_name={axis!r})), which is not bound while tracing.", axis)
 
 
 def _key_names(path) -> tuple[str, ...]:
