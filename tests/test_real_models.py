@@ -76,6 +76,11 @@ def test_gradients_match_and_the_report_equals_the_compiled_program(case, refere
   report = schedule.report()
   executed = zjax.hlo.executed(compiled.as_text())
   assert report["all_gather_count"] > 0, name
+  print(f"\n{name} {knobs}: report AG {report['all_gather_count']} / "
+        f"{report['all_gather_bytes']} B, RS {report['reduce_scatter_count']} / "
+        f"{report['reduce_scatter_bytes']} B; compiled AG {executed.get('all_gather_count')} / "
+        f"{executed.get('all_gather_bytes')} B, RS {executed.get('reduce_scatter_count')} / "
+        f"{executed.get('reduce_scatter_bytes')} B")  # the table of `pytest -s`
   for kind in ("all_gather", "reduce_scatter"):
     assert (executed.get(f"{kind}_count", 0), executed.get(f"{kind}_bytes", 0)) == \
         (report[f"{kind}_count"], report[f"{kind}_bytes"]), (name, knobs, kind)

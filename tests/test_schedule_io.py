@@ -228,3 +228,23 @@ def test_fingerprint_depends_on_model_not_on_knobs():
   b = zjax.compile_schedule(*model(), num_devices=4, config=zjax.ZeroConfig())
   c = zjax.compile_schedule(*model(num_layers=4), num_devices=8, config=CONFIG)
   assert a.fingerprint == b.fingerprint != c.fingerprint
+
+
+def test_files_from_before_gradient_reduction_and_platform_still_load():
+  """Older files lack `platform` and `gradient_reduction`; they reduce-scattered once per
+  forward gather, which is what loading them assumes."""
+  params = {"emb": jax.ShapeDtypeStruct((D, D), jnp.float32),
+            "mid": jax.ShapeDtypeStruct((D, D), jnp.float32)}
+  loss = lambda p, x: (jnp.tanh(x @ p["emb"]) @ p["mid"] @ p["emb"].T).mean()
+  config = zjax.ZeroConfig(param_persistence_threshold=0, max_reuse_distance=0,
+                           gradient_reduction="per_gather")
+  new = zjax.compile_schedule(loss, params, jax.ShapeDtypeStruct((8, D), jnp.float32),
+                              num_devices=8, config=config)
+  assert sum(st.op == "reduce_scatter" for st in new.backward) == 3  # emb twice, mid once
+
+  def old_format(data):
+    del data["platform"], data["config"]["gradient_reduction"], data["config"]["fold_rng_keys"]
+
+  old = zjax.Schedule.from_json(edited(new, old_format))
+  assert old.config.gradient_reduction == "per_gather" and old.platform == ""
+  assert old.report()["reduce_scatter_count"] == 3

@@ -100,6 +100,31 @@ def test_bf16_parameters_report_equals_the_compiled_program(reduce_dtype):
   assert gpu["reduce_scatter_bytes"] == 3 * 64 * 64 * native
 
 
+@pytest.mark.parametrize("name", ["no-prefetch", "keep-all"])
+def test_unused_head_and_dead_concatenation_plan_no_collectives(name):
+  """Dead code is removed before planning (XLA deletes it too): the report equals the
+  compiled program, and parameters read only by dead code are neither gathered nor
+  reduced."""
+  loss_fn, params, batch = deep_mlp(num_layers=3)
+  params = dict(params, aux_head={"kernel": jnp.ones((D, 10))})
+
+  def loss(p, b):
+    h = b["x"]
+    for i in range(3):
+      h = jnp.tanh(h @ p[f"l{i}"]["kernel"])
+    aux = h @ p["aux_head"]["kernel"]  # an auxiliary head the loss does not use
+    both = jnp.concatenate([p["l0"]["kernel"], p["l1"]["kernel"]])  # dead, as nn.scan leaves
+    del aux, both
+    return jnp.mean((h - b["y"]) ** 2)
+
+  schedule, report, hlo = compiled_summary((loss, params, batch), CONFIGS[name])
+  assert schedule.param("['aux_head']['kernel']").bucket is None
+  assert report["reduce_scatter_count"] == 3
+  for kind in ("all_gather", "reduce_scatter"):
+    assert (hlo[f"{kind}_count"], hlo[f"{kind}_bytes"]) == \
+        (report[f"{kind}_count"], report[f"{kind}_bytes"]), kind
+
+
 def test_one_device_has_no_collectives():
   _, report, hlo = compiled_summary(mlp(), zjax.ZeroConfig(param_persistence_threshold=0), n=1)
   assert report["all_gather_count"] == report["reduce_scatter_count"] == 0

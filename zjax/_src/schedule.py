@@ -223,8 +223,11 @@ def _parse(data) -> dict:
           f"'version' is {version!r}, but this zjax reads versions "
           f"{list(ir.READABLE_VERSIONS)}; regenerate the schedule with this zjax")
   program = _field(data, "program", dict, "top level")
+  config = dict(_field(data, "config", dict, "top level"))
+  # files written before the knob existed reduce-scatter once per forward gather
+  config.setdefault("gradient_reduction", "per_gather")
   try:
-    config = ZeroConfig.from_dict(_field(data, "config", dict, "top level"))
+    config = ZeroConfig.from_dict(config)
   except ValueError as e:
     raise ScheduleError(f"'config': {e}") from None
   return dict(
