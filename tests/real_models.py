@@ -198,7 +198,8 @@ class ScanLSTM(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    cell = nn.scan(nn.LSTMCell, variable_broadcast="params", split_rngs={"params": False},
+    cell = nn.scan(nn.OptimizedLSTMCell, variable_broadcast="params",
+                   split_rngs={"params": False},
                    in_axes=1, out_axes=1, reverse=self.reverse)(self.features)
     zeros = jnp.zeros((x.shape[0], self.features), x.dtype)
     _, ys = cell((zeros, zeros), x)
