@@ -251,7 +251,7 @@ def test_dropout_with_rng_in_batch(fold):
   assert_trees_close(grads, mean_grads)
 
 
-@pytest.mark.parametrize("n", [8, 4])
+@pytest.mark.parametrize("n", [8, 4, 1])
 def test_devices_draw_different_masks_deterministically(n):
   """The gradient of sum(mask * x * w) over w is the mean of the devices' masks: with
   folded keys it equals mean_d bernoulli(fold_in(key, d)) exactly, and differs from any
@@ -265,7 +265,7 @@ def test_devices_draw_different_masks_deterministically(n):
   masks = [jax.random.bernoulli(jax.random.fold_in(batch["key"], d), 0.5, (rows, 64))
            for d in range(n)]
   np.testing.assert_array_equal(grads["w"], np.mean(masks, axis=0, dtype=np.float32))
-  assert not np.array_equal(masks[0], masks[1])
+  assert n == 1 or not np.array_equal(masks[0], masks[1])
   _, _, again, _ = run_zjax(loss, params, batch, n=n, config=SHARD_ALL)
   np.testing.assert_array_equal(grads["w"], again["w"])
 

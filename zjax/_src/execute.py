@@ -154,7 +154,7 @@ class _DeviceProgram:
 
   def run(self, shard_leaves, batch, extra):
     """-> ((mean loss, new extra averaged over devices), local gradient shards)."""
-    if self.s.config.fold_rng_keys and self.n > 1:
+    if self.s.config.fold_rng_keys:  # device d draws from fold_in(key, d), on any N
       device = lax.axis_index(self.axis)
       batch = jax.tree.map(lambda x: jax.random.fold_in(x, device) if is_key(x) else x, batch)
     state = _State(self, shard_leaves, jax.tree.leaves(batch) + jax.tree.leaves(extra))
