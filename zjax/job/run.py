@@ -39,13 +39,14 @@ def train(settings, console: Console) -> dict:
   settings.checkpoint_dir.mkdir(parents=True, exist_ok=True)
   ckpt = zjax.CheckpointManager(settings.checkpoint_dir, trainer, max_to_keep=2)
   metrics_path = settings.checkpoint_dir.parent / "metrics.json"
+  latest = ckpt.latest_step()
+  if latest is not None and latest >= settings.steps:  # nothing to train: nothing restored
+    ckpt.close()
+    console.print(f"already complete: step {latest} of {settings.steps}; nothing to train "
+                  f"and {metrics_path} is kept. Raise --steps to train further.")
+    return outputs.read_summary(metrics_path)
   state, history = _start(settings, ckpt, trainer, model, metrics_path, console)
   first_step = int(state.step)
-  if first_step >= settings.steps:
-    ckpt.close()
-    console.print(f"already complete: step {first_step} of {settings.steps}; nothing to "
-                  f"train and {metrics_path} is kept. Raise --steps to train further.")
-    return outputs.read_summary(metrics_path)
 
   batch_at = lambda step: {"tokens": corpus_lib.batch_at(
       data.train, step, settings.batch, settings.seq_len, settings.seed)}
