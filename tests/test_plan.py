@@ -280,7 +280,14 @@ def test_compile_schedule_with_mesh():
   assert zjax.compile_schedule(loss, params, batch, mesh=mesh8).num_devices == 8
   assert zjax.compile_schedule(loss, params, batch, mesh=mesh4).num_devices == 4
   mesh2d = jax.make_mesh((2, 4), ("data", "fsdp"))
-  assert zjax.compile_schedule(loss, params, batch, mesh=mesh2d).num_devices == 4
+  hsdp = zjax.compile_schedule(loss, params, batch, mesh=mesh2d,
+                               config=zjax.ZeroConfig(replicate_axes=("data",)))
+  assert (hsdp.num_devices, hsdp.replica_sizes, hsdp.data_parallel_size) == (4, (2,), 8)
+  with pytest.raises(ValueError, match="Mesh axis 'data' is neither the sharding axis"):
+    zjax.compile_schedule(loss, params, batch, mesh=mesh2d)
+  with pytest.raises(ValueError, match="replicate_axes names 'replica', but the mesh has"):
+    zjax.compile_schedule(loss, params, batch, mesh=mesh2d,
+                          config=zjax.ZeroConfig(replicate_axes=("data", "replica")))
   with pytest.raises(ValueError, match="axis_name is 'fsdp'"):
     zjax.compile_schedule(loss, params, batch, mesh=jax.make_mesh((8,), ("x",)))
   with pytest.raises(ValueError, match="exactly one of mesh"):

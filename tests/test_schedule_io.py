@@ -54,9 +54,9 @@ def test_json_is_versioned_and_diff_friendly(schedule):
   assert len(data["fingerprint"]) == 64
   # one step per line: a moved gather is a one-line diff
   assert text.count('{"op": ') == len(schedule.forward) + len(schedule.backward)
-  assert list(data) == ["format", "version", "fingerprint", "num_devices", "platform", "config",
-                        "program",
-                        "params", "buckets", "segments", "forward", "backward"]
+  assert list(data) == ["format", "version", "fingerprint", "num_devices", "platform",
+                        "replica_sizes", "config", "program", "params", "buckets", "segments",
+                        "forward", "backward"]
 
 
 def test_planning_is_deterministic():
@@ -243,7 +243,8 @@ def test_files_from_before_gradient_reduction_and_platform_still_load():
   assert sum(st.op == "reduce_scatter" for st in new.backward) == 3  # emb twice, mid once
 
   def old_format(data):
-    del data["platform"], data["config"]["gradient_reduction"], data["config"]["fold_rng_keys"]
+    del data["platform"], data["replica_sizes"], data["config"]["replicate_axes"]
+    del data["config"]["gradient_reduction"], data["config"]["fold_rng_keys"]
 
   old = zjax.Schedule.from_json(edited(new, old_format))
   assert old.config.gradient_reduction == "per_gather" and old.platform == ""

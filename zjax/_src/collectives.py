@@ -16,9 +16,15 @@ def all_gather_bucket(chunks, entries, num_devices: int, axis: str) -> list:
   return layout.unpack_gathered(full, entries, num_devices)
 
 
-def reduce_scatter_bucket(grads, entries, num_devices: int, axis: str, wire_dtype) -> list:
+def reduce_scatter_bucket(grads, entries, num_devices: int, axis: str, wire_dtype,
+                          replicate_axes=()) -> list:
   """Each member's whole gradient (natural shape, one dtype) -> this device's chunk of the
-  gradient averaged over devices, in that dtype; summed in `wire_dtype` (ir.reduce_wire_dtype)."""
+  gradient averaged over devices, in that dtype; summed in `wire_dtype` (ir.reduce_wire_dtype).
+  With replicate axes (HSDP) the chunk is then averaged over the replicas (an all-reduce of
+  1/N of the bucket), so it equals the mean over every data-parallel device."""
   packed = layout.pack_for_scatter(grads, entries, num_devices)
   mine = lax.psum_scatter(packed.astype(wire_dtype), axis, scatter_dimension=0, tiled=False)
-  return layout.split_chunks((mine / num_devices).astype(packed.dtype), entries, num_devices)
+  mine = mine / num_devices
+  if replicate_axes:
+    mine = lax.pmean(mine, replicate_axes)
+  return layout.split_chunks(mine.astype(packed.dtype), entries, num_devices)

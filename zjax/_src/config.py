@@ -40,6 +40,11 @@ class ZeroConfig:
     axis_name: name of the mesh axis that parameters are sharded over and the batch is
       split over. The loss may use collectives over it (`lax.pmean`, `axis_index`,
       `nn.BatchNorm(axis_name=...)` for synchronised batch statistics).
+    replicate_axes: mesh axes over which parameters, gradients and optimizer state are
+      replicated rather than sharded (HSDP, PyTorch FSDP2's hybrid sharding): each group of
+      devices along `axis_name` holds one sharded copy; the batch is split over these axes
+      and `axis_name` together, and each bucket's gradient shard is reduce-scattered within
+      the group, then averaged over the replicas (an all-reduce of 1/N of it).
     gradient_reduction: when a bucket gathered several times in forward (a tied embedding,
       a weight reused after max_reuse_distance released it) has its gradient
       reduce-scattered: "once" (default, as DeepSpeed: one reduce-scatter per step, after
@@ -66,6 +71,7 @@ class ZeroConfig:
   compute_dtype: Any = None
   reduce_dtype: Any = None
   axis_name: str = "fsdp"
+  replicate_axes: tuple[str, ...] = ()
   gradient_reduction: str = "once"
   fold_rng_keys: bool = True
 
@@ -78,6 +84,8 @@ class ZeroConfig:
       raise ValueError(
           f"ZeroConfig.axis_name must be a non-empty string naming a mesh axis, "
           f"got {self.axis_name!r}.")
+    object.__setattr__(self, "replicate_axes", _check_replicate_axes(self.replicate_axes,
+                                                                     self.axis_name))
     if self.gradient_reduction not in GRADIENT_REDUCTIONS:
       raise ValueError(f"ZeroConfig.gradient_reduction must be one of "
                        f"{list(GRADIENT_REDUCTIONS)}, got {self.gradient_reduction!r}.")
@@ -90,7 +98,13 @@ class ZeroConfig:
     out = dataclasses.asdict(self)
     for name in ("compute_dtype", "reduce_dtype"):
       out[name] = None if out[name] is None else out[name].name
+    out["replicate_axes"] = list(self.replicate_axes)
     return out
+
+  @property
+  def data_axes(self) -> tuple[str, ...]:
+    """Every axis the batch is split over: the replicate axes, then the sharding axis."""
+    return (*self.replicate_axes, self.axis_name)
 
   @classmethod
   def from_dict(cls, data: dict) -> "ZeroConfig":
@@ -117,6 +131,20 @@ def _check_element_count(name: str, value: Any) -> int:
   if value < 0 or (value == 0 and name in _POSITIVE_KNOBS):
     raise ValueError(f"ZeroConfig.{name} {rule}, got {value}.")
   return value
+
+
+def _check_replicate_axes(value: Any, axis_name: str) -> tuple[str, ...]:
+  if isinstance(value, str) or not isinstance(value, (tuple, list)) or not all(
+      isinstance(a, str) and a for a in value):
+    raise ValueError(f"ZeroConfig.replicate_axes must be a tuple of mesh axis names, got "
+                     f"{value!r}.")
+  for i, axis in enumerate(value):
+    if axis == axis_name:
+      raise ValueError(f"ZeroConfig.replicate_axes names {axis!r}, the axis parameters are "
+                       f"sharded over (axis_name): an axis either shards or replicates.")
+    if axis in value[:i]:
+      raise ValueError(f"ZeroConfig.replicate_axes names {axis!r} twice.")
+  return tuple(value)
 
 
 def _check_float_dtype(name: str, value: Any):

@@ -65,6 +65,8 @@ class _Runner:
     self.loss_fn, self.schedule, self.mesh = loss_fn, schedule, mesh
     self.axis = schedule.config.axis_name
     self.n = schedule.num_devices
+    self.data_axes = schedule.config.data_axes  # the batch is split over all of them
+    self.data_parallel = schedule.data_parallel_size
 
   def step(self, sharded_params, batch, extra=None):
     specs = layout.param_specs(self.schedule)
@@ -92,21 +94,23 @@ class _Runner:
             f"splits batch leaves over the devices and folds each device's position into "
             f"0-d keys (ZeroConfig.fold_rng_keys). Pass one key, jax.random.key(seed), and "
             f"draw per-example randomness inside the loss.")
-      if x.shape[0] % self.n:
+      if x.shape[0] % self.data_parallel:
         hint = (" If it is a raw PRNG key (jax.random.PRNGKey), pass a typed 0-d key, "
                 "jax.random.key(seed), instead." if x.shape == (2,) and x.dtype == np.uint32
                 else "")
         raise ZjaxError(f"Batch leaf {name} has leading (global batch) dimension "
-                        f"{x.shape[0]}, not divisible by the {self.n} devices. Use a global "
-                        f"batch that is a multiple of {self.n}.{hint}")
-      return P(self.axis)
+                        f"{x.shape[0]}, not divisible by the {self.data_parallel} devices of "
+                        f"the data axes {self.data_axes}. Use a global batch that is a "
+                        f"multiple of {self.data_parallel}.{hint}")
+      return P(self.data_axes if len(self.data_axes) > 1 else self.axis)
     return jax.tree_util.tree_map_with_path(spec, batch)
 
   def _device_program(self, treedef, batch, extra) -> "_DeviceProgram":
     """Trace the loss as the schedule was planned; it must match the schedule."""
     params = [jax.ShapeDtypeStruct(p.shape, jnp.dtype(p.dtype)) for p in self.schedule.params]
     trace = trace_for_schedule(self.loss_fn, jax.tree_util.tree_unflatten(treedef, params),
-                               batch, self.schedule.config, self.n, extra)
+                               batch, self.schedule.config, self.n, extra,
+                               self.schedule.replica_sizes)
     _check_trace_matches(trace, self.schedule)
     return _DeviceProgram(self.schedule, trace.program)
 
@@ -131,6 +135,7 @@ class _DeviceProgram:
   def __init__(self, schedule, program):
     self.s, self.program = schedule, program
     self.n, self.axis = schedule.num_devices, schedule.config.axis_name
+    self.replicate_axes, self.data_axes = schedule.config.replicate_axes, schedule.config.data_axes
     analysis = seg_lib.analyze(program, schedule.segments,
                                [ir.has_gradient(p) for p in schedule.params])
     self.chains, self.segments = analysis.chains, analysis.ios
@@ -155,7 +160,7 @@ class _DeviceProgram:
   def run(self, shard_leaves, batch, extra):
     """-> ((mean loss, new extra averaged over devices), local gradient shards)."""
     if self.s.config.fold_rng_keys:  # device d draws from fold_in(key, d), on any N
-      device = lax.axis_index(self.axis)
+      device = lax.axis_index(self.data_axes)  # row-major over (replicas..., shards)
       batch = jax.tree.map(lambda x: jax.random.fold_in(x, device) if is_key(x) else x, batch)
     state = _State(self, shard_leaves, jax.tree.leaves(batch) + jax.tree.leaves(extra))
     for step in self.s.forward:
@@ -235,7 +240,8 @@ class _State:
     grads = [jnp.zeros(e.shape, self.dp.reduce_dtype(i)) if g is None else
              g.astype(self.dp.reduce_dtype(i)) for i, g, e in zip(members, grads, entries)]
     chunks = collectives.reduce_scatter_bucket(grads, entries, self.dp.n, self.dp.axis,
-                                               self.dp.wire_dtype(members[0]))
+                                               self.dp.wire_dtype(members[0]),
+                                               self.dp.replicate_axes)
     for i, chunk in zip(members, chunks):
       self.add_shard_grad(i, chunk)
 
@@ -352,10 +358,10 @@ class _State:
     self.full_grads[param] = ct if param not in self.full_grads else self.full_grads[param] + ct
 
   def mean_over_devices(self, tree):
-    """pmean over the mesh axis; on one device nothing to reduce (no collective at all)."""
-    if self.dp.n == 1 or not jax.tree.leaves(tree):
+    """pmean over the data axes; on one device nothing to reduce (no collective at all)."""
+    if self.dp.s.data_parallel_size == 1 or not jax.tree.leaves(tree):
       return tree
-    return lax.pmean(tree, self.dp.axis)
+    return lax.pmean(tree, self.dp.data_axes)
 
   def average_extra(self, tree):
     """New non-parameter state (e.g. batch statistics): floats averaged over devices."""

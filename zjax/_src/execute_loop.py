@@ -102,7 +102,8 @@ class Loop:
       entries = [layout.layer_entry(self.dp.s.params[i]) for i in members]
       grads = [layer_grads[i].astype(self.dp.reduce_dtype(i)) for i in members]
       out.update(zip(members, collectives.reduce_scatter_bucket(
-          grads, entries, self.dp.n, self.dp.axis, self.dp.wire_dtype(members[0]))))
+          grads, entries, self.dp.n, self.dp.axis, self.dp.wire_dtype(members[0]),
+          self.dp.replicate_axes)))
     return out
 
   # ---- forward ---------------------------------------------------------------------------

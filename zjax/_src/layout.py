@@ -232,6 +232,18 @@ def check_mesh(schedule, mesh) -> None:
     raise ZjaxError(f"The schedule was planned for {schedule.num_devices} devices but the "
                     f"mesh axis {axis!r} has {mesh.shape[axis]}. Plan it for this mesh "
                     f"(compile_schedule(..., mesh=mesh)).")
+  replicas = dict(zip(schedule.config.replicate_axes, schedule.replica_sizes))
+  for name, size in mesh.shape.items():
+    if name != axis and replicas.get(name) != size:
+      planned = (f"was planned with it as a replicate axis of size {replicas[name]}"
+                 if name in replicas else "does not use it (it is not in "
+                 "ZeroConfig.replicate_axes)")
+      raise ZjaxError(f"Mesh axis {name!r} has size {size}, but the schedule {planned}. Plan "
+                      f"the schedule for this mesh (compile_schedule(..., mesh=mesh)).")
+  for name in replicas:
+    if name not in mesh.shape:
+      raise ZjaxError(f"The schedule replicates over {name!r}, an axis this mesh "
+                      f"{tuple(mesh.shape)} lacks. Plan the schedule for this mesh.")
 
 
 # ---- per-bucket packing (used per device, inside shard_map) ----------------------------

@@ -40,7 +40,8 @@ from zjax._src.trace import ProgramTrace, data_axis_bound, trace_for_schedule
 def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
                      num_devices: int | None = None, config: ZeroConfig | None = None,
                      frozen: Any = None, extra: Any = None,
-                     platform: str | None = None) -> Schedule:
+                     platform: str | None = None,
+                     replica_sizes: tuple[int, ...] | None = None) -> Schedule:
   """Trace `loss_fn(params, batch)` and plan its ZeRO-3 schedule.
 
   Args:
@@ -51,7 +52,8 @@ def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
       one device's share of it (leading dimensions / N), which is what the executor runs.
       If some leading dimension does not divide by N (planning for more devices than the
       example batch has rows), the batch is traced as given.
-    mesh: the mesh to run on; N is its size along `config.axis_name`.
+    mesh: the mesh to run on; N is its size along `config.axis_name`; every other axis
+      must be one of `config.replicate_axes` (HSDP: one sharded copy per replica).
     num_devices: N, instead of a mesh (e.g. to plan for more devices than are present).
     config: the knobs; `ZeroConfig()` by default.
     frozen: parameters that are not trained: a pytree of bools shaped like params, or a
@@ -59,6 +61,8 @@ def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
       gathered for compute but get no gradient communication and no optimizer state.
     extra: non-parameter state (e.g. batch statistics) for a loss of the form
       `loss_fn(params, batch, extra) -> (loss, new_extra)`: replicated, not differentiated.
+    replica_sizes: with `num_devices`, the sizes of `config.replicate_axes` (default 1
+      each); taken from the mesh otherwise.
     platform: the backend whose compiled program the report predicts ("cpu", "gpu",
       "tpu"); by default the mesh's, or JAX's default backend. On "cpu" 16-bit gradients
       are reduced in float32, as XLA's CPU collectives do, and the report counts those bytes.
@@ -75,11 +79,12 @@ def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
   if not isinstance(config, ZeroConfig):
     raise TypeError(f"config must be a zjax.ZeroConfig, got {type(config).__name__}.")
   n = _resolve_num_devices(mesh, num_devices, config.axis_name)
-  trace = trace_for_schedule(loss_fn, params, batch, config, n, extra)
+  replica_sizes = _resolve_replica_sizes(mesh, config, replica_sizes)
+  trace = trace_for_schedule(loss_fn, params, batch, config, n, extra, replica_sizes)
   if platform is None:
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
   schedule = plan_schedule(trace, config, n, frozen=_frozen_indices(params, frozen, trace),
-                           platform=platform)
+                           platform=platform, replica_sizes=replica_sizes)
   object.__setattr__(schedule, "params_treedef", jax.tree_util.tree_structure(params))
   return schedule
 
@@ -98,13 +103,15 @@ def _frozen_indices(params, frozen, trace) -> frozenset:
 
 
 def plan_schedule(trace: ProgramTrace, config: ZeroConfig, num_devices: int,
-                  frozen: frozenset = frozenset(), platform: str = "") -> Schedule:
+                  frozen: frozenset = frozenset(), platform: str = "",
+                  replica_sizes: tuple[int, ...] = ()) -> Schedule:
   """Plan a schedule from a traced program (see the module docstring for the steps)."""
-  with data_axis_bound(config, num_devices):  # segment vjps are traced while planning
-    return _plan(trace, config, num_devices, frozen, platform)
+  replica_sizes = tuple(replica_sizes) or (1,) * len(config.replicate_axes)
+  with data_axis_bound(config, num_devices, replica_sizes):  # vjps are traced here too
+    return _plan(trace, config, num_devices, frozen, platform, replica_sizes)
 
 
-def _plan(trace, config, num_devices, frozen, platform) -> Schedule:
+def _plan(trace, config, num_devices, frozen, platform, replica_sizes) -> Schedule:
   persistent = {p.index for p in trace.params
                 if num_devices == 1 or p.size <= config.param_persistence_threshold}
   sharded = {p.index for p in trace.params if p.index not in persistent}
@@ -131,7 +138,8 @@ def _plan(trace, config, num_devices, frozen, platform) -> Schedule:
   lengths = {b: entries[members[0]].shape[0] for b, (*_, members) in enumerate(groups)
              if buckets[b].stacked}
   forward, backward = _StepPlanner(segments, elements, buckets, config, lengths).plan()
-  return Schedule(num_devices=num_devices, platform=platform, config=config,
+  return Schedule(num_devices=num_devices, platform=platform, replica_sizes=replica_sizes,
+                  config=config,
                   num_ops=len(trace.ops),
                   program_hash=program_hash(o.primitive for o in trace.ops), params=entries,
                   buckets=buckets, segments=segments, forward=forward, backward=backward)
@@ -149,6 +157,33 @@ def _resolve_num_devices(mesh, num_devices, axis_name) -> int:
   if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
     raise ValueError(f"num_devices must be a positive int, got {num_devices!r}.")
   return num_devices
+
+
+def _resolve_replica_sizes(mesh, config, sizes) -> tuple[int, ...]:
+  """Sizes of the replicate axes: the mesh's (whose every axis must be the sharding axis or
+  a replicate axis), or as given for analytic planning (default 1 each)."""
+  axes = config.replicate_axes
+  if mesh is None:
+    sizes = (1,) * len(axes) if sizes is None else tuple(sizes)
+    if len(sizes) != len(axes) or any(isinstance(s, bool) or not isinstance(s, int) or s < 1
+                                      for s in sizes):
+      raise ValueError(f"replica_sizes must give one positive int per replicate axis "
+                       f"{list(axes)}, got {sizes!r}.")
+    return sizes
+  if sizes is not None:
+    raise ValueError("replica_sizes is for analytic planning (num_devices=); with a mesh the "
+                     "replicate axes' sizes are the mesh's.")
+  for axis in axes:
+    if axis not in mesh.shape:
+      raise ValueError(f"ZeroConfig.replicate_axes names {axis!r}, but the mesh has axes "
+                       f"{tuple(mesh.shape)}.")
+  for axis in mesh.axis_names:
+    if axis != config.axis_name and axis not in axes:
+      raise ValueError(f"Mesh axis {axis!r} is neither the sharding axis "
+                       f"{config.axis_name!r} (ZeroConfig.axis_name) nor a replicate axis "
+                       f"(ZeroConfig.replicate_axes={axes!r}); add it to replicate_axes "
+                       f"(HSDP) or use a mesh without it.")
+  return tuple(int(mesh.shape[a]) for a in axes)
 
 
 def _group_buckets(trace, persistent, frozen, stacked

@@ -15,7 +15,10 @@ def format_bytes(n: int) -> str:
 
 def render_schedule(s, sim) -> str:
   """The steps as a table: step, phase, op, bucket, what, bytes, live bytes after the step."""
-  head = (f"zjax schedule v{ir.FORMAT_VERSION}: {s.num_devices} device(s), {len(s.params)} "
+  copies = (f" x {s.replicas} replicas over {', '.join(s.config.replicate_axes)} (HSDP)"
+            if s.replicas > 1 else "")
+  head = (f"zjax schedule v{ir.FORMAT_VERSION}: {s.num_devices} device(s){copies}, "
+          f"{len(s.params)} "
           f"params ({sum(p.persistent for p in s.params)} persistent), {len(s.buckets)} "
           f"buckets, {len(s.segments)} segments, fingerprint {s.fingerprint[:12]}")
   rows = [("step", "phase", "op", "bucket", "what", "bytes", "live after")]

@@ -32,6 +32,12 @@ def make_report(s, sim) -> dict:
       "prefetch_count": sum(st.prefetch for st in gathers),
       "reduce_scatter_count": len(scatters),
       "reduce_scatter_bytes": sum(grad_bytes[st.bucket] for st in scatters),
+      "replicas": s.replicas,
+      # HSDP: each reduce-scattered gradient shard (1/N of the bucket) is then all-reduced
+      # over the replicate axes (XLA may combine those all-reduces: bytes, not count, are
+      # what to compare)
+      "replica_all_reduce_bytes": (sum(grad_bytes[st.bucket] for st in scatters)
+                                   // s.num_devices if s.replicas > 1 else 0),
       "persistent_grad_all_reduce_bytes": sum(
           p.size * ir.reduce_wire_dtype(ir.reduce_dtype(p.dtype, s.config), s.platform).itemsize
           for p in persistent if ir.has_gradient(p)),

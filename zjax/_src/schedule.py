@@ -11,6 +11,8 @@ import os
 import tempfile
 from typing import Any, Callable
 
+import numpy as np
+
 from zjax._src import ir, render, report, validate
 from zjax._src.config import ZeroConfig
 from zjax._src.errors import ScheduleError, ScheduleMismatchError
@@ -45,6 +47,9 @@ class Schedule:
   # The backend the report predicts for ("cpu", "gpu", "tpu"; "" = unspecified): it decides
   # the dtype 16-bit gradients are reduced in (ir.reduce_wire_dtype).
   platform: str = ""
+  # Sizes of config.replicate_axes (HSDP): each of their prod() groups of `num_devices`
+  # devices along the sharding axis holds one sharded copy.
+  replica_sizes: tuple[int, ...] = ()
   # The params' pytree structure, known when compiled in this process (not saved in JSON).
   params_treedef = None
 
@@ -67,6 +72,16 @@ class Schedule:
 
   def __str__(self) -> str:
     return render.render_schedule(self, self._simulation)
+
+  @property
+  def replicas(self) -> int:
+    """R: how many sharded copies (1 without replicate axes)."""
+    return int(np.prod(self.replica_sizes, dtype=np.int64))
+
+  @property
+  def data_parallel_size(self) -> int:
+    """Devices the batch is split over: R x N."""
+    return self.replicas * self.num_devices
 
   def report(self) -> dict:
     """Predicted per-device numbers for one training step, JSON-serialisable."""
@@ -91,6 +106,7 @@ class Schedule:
         "fingerprint": self.fingerprint,
         "num_devices": self.num_devices,
         "platform": self.platform,
+        "replica_sizes": list(self.replica_sizes),
         "config": self.config.to_dict(),
         "program": {"num_ops": self.num_ops, "hash": self.program_hash},
         "params": [dataclasses.asdict(p) for p in self.params],
@@ -149,7 +165,8 @@ class Schedule:
 
     Compares parameter paths, shapes, dtypes and the use order of a fresh trace.
     """
-    trace = trace_for_schedule(loss_fn, params, batch, self.config, self.num_devices, extra)
+    trace = trace_for_schedule(loss_fn, params, batch, self.config, self.num_devices, extra,
+                               replica_sizes=self.replica_sizes)
     theirs = {p.path: p for p in self.params}
     for p in trace.params:
       mine = theirs.get(p.path)
@@ -234,6 +251,8 @@ def _parse(data) -> dict:
       fingerprint=_field(data, "fingerprint", str, "top level"),
       num_devices=_field(data, "num_devices", int, "top level"),
       platform=_optional(data, "platform", str, "top level", ""),
+      replica_sizes=tuple(_int_list(data, "replica_sizes", "top level")
+                          if "replica_sizes" in data else ()),
       config=config,
       num_ops=_field(program, "num_ops", int, "'program'"),
       program_hash=_field(program, "hash", str, "'program'"),

@@ -131,22 +131,26 @@ def without_dead_code(closed: jex.ClosedJaxpr) -> jex.ClosedJaxpr:
 
 
 @contextlib.contextmanager
-def data_axis_bound(config, num_devices: int):
-  """Trace as inside the executor's shard_map: the data axis (`config.axis_name`, size N) is
-  bound, so that a loss may use lax.psum / pmean / axis_index over it (sync BatchNorm)."""
-  with jax_core.extend_axis_env_nd([(config.axis_name, num_devices)]):
+def data_axis_bound(config, num_devices: int, replica_sizes=()):
+  """Trace as inside the executor's shard_map: the data axes (`config.axis_name`, size N,
+  and any replicate axes) are bound, so that a loss may use lax.psum / pmean / axis_index
+  over them (sync BatchNorm)."""
+  sizes = list(zip(config.replicate_axes, replica_sizes)) + [(config.axis_name, num_devices)]
+  with jax_core.extend_axis_env_nd(sizes):
     yield
 
 
-def trace_for_schedule(loss_fn, params, batch, config, num_devices: int, extra=None):
-  """Trace as the executor runs: on one device's share of the batch, with the data axis
+def trace_for_schedule(loss_fn, params, batch, config, num_devices: int, extra=None,
+                       replica_sizes=()):
+  """Trace as the executor runs: on one device's share of the batch, with the data axes
   bound and floating-point parameters in the compute dtype. The table keeps each
   parameter's own (storage) dtype."""
   as_computed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
       np.shape(x), ir.gather_dtype(x.dtype, config.compute_dtype)), params)
-  with data_axis_bound(config, num_devices):
+  share = num_devices * int(np.prod(replica_sizes, dtype=np.int64))
+  with data_axis_bound(config, num_devices, replica_sizes):
     try:
-      trace = trace_program(loss_fn, as_computed, per_device_batch(batch, num_devices), extra)
+      trace = trace_program(loss_fn, as_computed, per_device_batch(batch, share), extra)
     except _UnboundAxisError as e:
       raise TraceError(f"{e} zjax binds one axis, its data axis {config.axis_name!r} "
                        f"(ZeroConfig.axis_name), over which it splits the batch: name the "

@@ -36,6 +36,11 @@ def describe_bucket(s, bucket_id: int) -> str:
 def _check_params(s):
   if not isinstance(s.num_devices, int) or s.num_devices < 1:
     raise ScheduleError(f"num_devices must be a positive integer, got {s.num_devices!r}.")
+  axes = s.config.replicate_axes
+  if len(s.replica_sizes) != len(axes) or any(
+      not isinstance(r, int) or r < 1 for r in s.replica_sizes):
+    raise ScheduleError(f"replica_sizes {list(s.replica_sizes)} must give one positive size "
+                        f"per replicate axis {list(axes)}.")
   seen = set()
   for p in s.params:
     if p.path in seen:
