@@ -193,3 +193,44 @@ def test_bad_hsdp_input_is_named():
                      "does not use it"):
     flat = zjax.compile_schedule(loss, params, batch, num_devices=4)
     zjax.value_and_grad(loss, flat, mesh=mesh)
+
+
+def test_clipping_accumulation_sub_groups_and_frozen_params_under_hsdp():
+  """The global gradient norm counts each element once (not once per replica); clipping,
+  gradient accumulation, sub-groups and frozen parameters give single-device optax's
+  result."""
+  loss, params, batch = mlp(num_layers=3, batch=32)
+  frozen_loss = lambda p, b: loss(dict(p, layer1=jax.lax.stop_gradient(p["layer1"])), b)
+  ref_norm = float(optax.tree.norm(jax.grad(frozen_loss)(params, batch)))
+  optimizer = optax.chain(optax.clip_by_global_norm(ref_norm / 10), optax.adam(1e-2, eps=1e-6))
+  ref_params, ref_losses = reference_run(frozen_loss, optimizer, params, [batch] * 3)
+  mesh = hsdp_mesh((2, 4))
+  config = dataclasses.replace(CONFIG, sub_group_size=100)
+  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=config,
+                                   frozen=lambda path: path.startswith("['layer1']"))
+  trainer = zjax.zero3(loss, optimizer, schedule, mesh=mesh, accumulation_steps=2)
+  state, metrics = trainer.init(params), []
+  for _ in range(3):
+    state, m = trainer.step(state, batch)
+    metrics.append(m)
+  np.testing.assert_allclose(metrics[0]["grad_norm"], ref_norm, rtol=1e-5)
+  np.testing.assert_allclose([m["loss"] for m in metrics], ref_losses, rtol=1e-5)
+  trained = trainer.gather_params(state)
+  assert_trees_close(trained, ref_params, rtol=1e-5, atol=PARAM_ATOL)
+  np.testing.assert_array_equal(trained["layer1"]["kernel"], params["layer1"]["kernel"])
+
+
+def test_bf16_compute_under_hsdp_equals_flat_bf16():
+  """Each device computes the same share in bf16 as on a flat 8-device mesh (the data axis
+  is major); only the fp32 summation order of the gradients differs."""
+  loss, params, batch = gpt_setup()
+  bf16 = dataclasses.replace(CONFIG, compute_dtype=jnp.bfloat16)
+  results = []
+  for mesh, config in ((hsdp_mesh((2, 4)), bf16),
+                       (mesh_of(8), dataclasses.replace(bf16, replicate_axes=()))):
+    schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=config)
+    value, grads = zjax.value_and_grad(loss, schedule, mesh=mesh)(
+        zjax.shard(params, schedule, mesh), batch)
+    results.append((value, zjax.unshard(grads, schedule)))
+  np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-6)
+  assert_trees_close(results[0][1], results[1][1], rtol=1e-5, atol=1e-6)
