@@ -2,6 +2,8 @@
 
   zjax launch --nproc 2 --devices-per-process 4 -- python examples/distributed_gpt.py --steps 5
   python examples/distributed_gpt.py --steps 5          # the same run in one process
+  ... distributed_gpt.py --hsdp                         # a 2 x 4 mesh: one sharded copy per
+                                                        # process ("node"), replicated across
 
 Each process feeds only its rows of every global batch (`zjax.distributed.global_batch`);
 process 0 writes the losses and the final params to --out (JSON).
@@ -31,6 +33,8 @@ p.add_argument("--layers", default="2", help="layers, or one count per process (
 p.add_argument("--save", default=None, help="checkpoint directory to save the end state to")
 p.add_argument("--restore", default=None, help="checkpoint directory to start from")
 p.add_argument("--die-at-step", type=int, default=None, help="process 1 exits there (a test)")
+p.add_argument("--hsdp", action="store_true", help="shard over the devices of a process, "
+               "replicate across processes (2 x 4 in one process)")
 p.add_argument("--out", default=None)
 args = p.parse_args()
 if not joined:
@@ -42,11 +46,17 @@ cfg = GPTConfig(d_model=32, n_layer=layers[jax.process_index() % len(layers)], n
                 d_ff=64, seq_len=16)
 model, batch_size = GPT(cfg), 8
 loss_fn = make_loss_fn(model)
-mesh = jax.make_mesh((jax.device_count(),), ("fsdp",))
+config = zjax.ZeroConfig(param_persistence_threshold=256,
+                         replicate_axes=("data",) if args.hsdp else ())
+if args.hsdp:  # one row per process: the data axis crosses processes, fsdp stays inside
+  nodes = max(jax.process_count(), 2)
+  mesh = jax.make_mesh((nodes, jax.device_count() // nodes), ("data", "fsdp"))
+else:
+  mesh = jax.make_mesh((jax.device_count(),), ("fsdp",))
 tokens0 = jax.ShapeDtypeStruct((batch_size, cfg.seq_len + 1), jnp.int32)
 shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, cfg.seq_len), jnp.int32))
 schedule = zjax.compile_schedule(loss_fn, shapes, {"tokens": tokens0}, mesh=mesh,
-                                 config=zjax.ZeroConfig(param_persistence_threshold=256))
+                                 config=config)
 trainer = zjax.zero3(loss_fn, optax.adamw(1e-2, eps=1e-6), schedule, mesh=mesh)
 if args.restore:
   state = zjax.CheckpointManager(args.restore, trainer).restore()
@@ -66,7 +76,8 @@ for step in range(args.steps):
   if args.die_at_step == step and jax.process_index() == 1:
     os._exit(9)  # a crash: no cleanup, no goodbye to the others
   start = time.perf_counter()
-  state, metrics = trainer.step(state, zjax.distributed.global_batch(local_rows(step), mesh))
+  batch = zjax.distributed.global_batch(local_rows(step), mesh, config.data_axes)
+  state, metrics = trainer.step(state, batch)
   losses.append(float(metrics["loss"]))  # waits for the step
   seconds.append(time.perf_counter() - start)
   print(f"step {step}: loss {losses[-1]:.5f}", flush=True)

@@ -43,9 +43,10 @@ def initialize() -> bool:
   return True
 
 
-def global_batch(local_batch, mesh, axis: str = "fsdp"):
+def global_batch(local_batch, mesh, axis="fsdp"):
   """This process's rows of the global batch -> a global `jax.Array` sharded over `axis`
-  (0-d leaves are replicated and must be equal in every process). In a one-process run it
+  (an axis name, or a tuple of them: the data axes of an HSDP mesh, `config.data_axes`;
+  0-d leaves are replicated and must be equal in every process). In a one-process run it
   is the batch itself, placed on the mesh."""
   import jax
   from jax.sharding import NamedSharding, PartitionSpec as P
