@@ -52,8 +52,9 @@ class ResNet(nn.Module):
     return nn.Dense(10)(x.mean(axis=(1, 2)))
 
 
-def resnet_syncbn(batch_size=16) -> Case:
-  model, plain = ResNet(), ResNet(axis_name=None)
+def resnet_syncbn(batch_size=16, axis_name="fsdp") -> Case:
+  """`axis_name`: the data axes BatchNorm synchronises over (all of them, under HSDP)."""
+  model, plain = ResNet(axis_name=axis_name), ResNet(axis_name=None)
   x = jax.random.normal(jax.random.key(0), (batch_size, 8, 8, 3))
   batch = {"x": x, "y": jnp.arange(batch_size) % 10}
   variables = plain.init(jax.random.key(1), x, train=False)

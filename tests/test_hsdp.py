@@ -12,7 +12,10 @@ import numpy as np
 import optax
 import pytest
 from helpers import assert_trees_close, mesh_of, mlp, reference
+from real_models import CASES, resnet_syncbn
 from test_execute import COND_PARAMS, cond_loss, gpt_setup
+from test_real_models import assert_same_outputs
+from test_real_models import reference as case_reference
 from test_train import ADAMW, reference_run
 
 import zjax
@@ -234,3 +237,21 @@ def test_bf16_compute_under_hsdp_equals_flat_bf16():
     results.append((value, zjax.unshard(grads, schedule)))
   np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-6)
   assert_trees_close(results[0][1], results[1][1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_outside_style_models_under_hsdp(name):
+  """tests/real_models.py on a 2x4 mesh; the ResNet synchronises BatchNorm over both data
+  axes (axis_name=("data", "fsdp")), which equals full-batch BatchNorm."""
+  case = resnet_syncbn(axis_name=("data", "fsdp")) if name == "resnet_syncbn" else \
+      CASES[name]()
+  mesh = hsdp_mesh((2, 4))
+  config = dataclasses.replace(CONFIG, param_persistence_threshold=0)
+  schedule = zjax.compile_schedule(case.loss_fn, case.params, case.batch, mesh=mesh,
+                                   config=config, extra=case.extra)
+  sharded = zjax.shard(case.params, schedule, mesh)
+  args = (sharded, case.batch) if case.extra is None else (sharded, case.batch, case.extra)
+  out, grads = zjax.value_and_grad(case.loss_fn, schedule, mesh=mesh)(*args)
+  ref_out, ref_grads = case_reference(case)
+  assert_same_outputs(case, out, ref_out)
+  assert_trees_close(zjax.unshard(grads, schedule), ref_grads)
