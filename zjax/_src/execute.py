@@ -155,7 +155,7 @@ class _DeviceProgram:
     return ir.reduce_dtype(self.s.params[i].dtype, self.s.config)
 
   def wire_dtype(self, i):
-    return ir.reduce_wire_dtype(self.reduce_dtype(i), self.s.platform)
+    return ir.reduce_wire_dtype(self.s.params[i].dtype, self.s.config, self.s.platform)
 
   def run(self, shard_leaves, batch, extra):
     """-> ((mean loss, new extra averaged over devices), local gradient shards)."""

@@ -149,10 +149,11 @@ def reduce_dtype(dtype, config) -> np.dtype:
 WIDENING_PLATFORMS = frozenset({"cpu"})
 
 
-def reduce_wire_dtype(dtype, platform: str) -> np.dtype:
-  """The dtype a gradient reduced in `dtype` travels and is summed in on `platform`: the
-  executor widens 16-bit floats itself where the backend would, so the report is exact."""
-  dtype = jnp.dtype(dtype)
+def reduce_wire_dtype(dtype, config, platform: str) -> np.dtype:
+  """The dtype the gradient of a parameter stored as `dtype` travels and is summed in on
+  `platform` (its reduce_dtype, or float32 where the backend widens 16-bit floats: the
+  executor then widens them itself, so the report is exact)."""
+  dtype = reduce_dtype(dtype, config)
   if platform in WIDENING_PLATFORMS and is_float(dtype) and dtype.itemsize < 4:
     return jnp.dtype(jnp.float32)
   return dtype

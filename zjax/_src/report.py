@@ -17,6 +17,7 @@ def make_report(s, sim) -> dict:
   gathers = [st for st in forward + backward if st.op == "gather"]
   scatters = [st for st in backward if st.op == "reduce_scatter"]
   persistent = [p for p in s.params if p.persistent]
+  scatter_bytes = sum(grad_bytes[st.bucket] for st in scatters)
   return {
       "num_devices": s.num_devices,
       "num_params": len(s.params),
@@ -31,15 +32,14 @@ def make_report(s, sim) -> dict:
       "backward_all_gather_count": sum(st.op == "gather" for st in backward),
       "prefetch_count": sum(st.prefetch for st in gathers),
       "reduce_scatter_count": len(scatters),
-      "reduce_scatter_bytes": sum(grad_bytes[st.bucket] for st in scatters),
+      "reduce_scatter_bytes": scatter_bytes,
       "replicas": s.replicas,
       # HSDP: each reduce-scattered gradient shard (1/N of the bucket) is then all-reduced
       # over the replicate axes (XLA may combine those all-reduces: bytes, not count, are
       # what to compare)
-      "replica_all_reduce_bytes": (sum(grad_bytes[st.bucket] for st in scatters)
-                                   // s.num_devices if s.replicas > 1 else 0),
+      "replica_all_reduce_bytes": scatter_bytes // s.num_devices if s.replicas > 1 else 0,
       "persistent_grad_all_reduce_bytes": sum(
-          p.size * ir.reduce_wire_dtype(ir.reduce_dtype(p.dtype, s.config), s.platform).itemsize
+          p.size * ir.reduce_wire_dtype(p.dtype, s.config, s.platform).itemsize
           for p in persistent if ir.has_gradient(p)),
       "peak_live_param_bytes": max(sim.forward_live + sim.backward_live, default=0),
       "peak_live_grad_bytes": max(sim.backward_grad_live, default=0),

@@ -146,8 +146,7 @@ class _Simulator:
     self.bytes = [ir.gathered_bytes(n, s.num_devices,
                                     ir.gather_dtype(b.dtype, s.config.compute_dtype))
                   for n, b in zip(self.elements, s.buckets)]
-    self.grad_bytes = [n * ir.reduce_wire_dtype(ir.reduce_dtype(b.dtype, s.config),
-                                                s.platform).itemsize
+    self.grad_bytes = [n * ir.reduce_wire_dtype(b.dtype, s.config, s.platform).itemsize
                        for n, b in zip(self.elements, s.buckets)]
     self.cap = s.config.max_live_parameters
     self.in_loop = False
