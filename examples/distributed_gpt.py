@@ -4,6 +4,8 @@
   python examples/distributed_gpt.py --steps 5          # the same run in one process
   ... distributed_gpt.py --hsdp                         # a 2 x 4 mesh: one sharded copy per
                                                         # process ("node"), replicated across
+  ... distributed_gpt.py --hpz                          # 2 x 4, storage over both axes,
+                                                        # backward re-gathers inside a process
 
 Each process feeds only its rows of every global batch (`zjax.distributed.global_batch`);
 process 0 writes the losses and the final params to --out (JSON).
@@ -35,6 +37,8 @@ p.add_argument("--restore", default=None, help="checkpoint directory to start fr
 p.add_argument("--die-at-step", type=int, default=None, help="process 1 exits there (a test)")
 p.add_argument("--hsdp", action="store_true", help="shard over the devices of a process, "
                "replicate across processes (2 x 4 in one process)")
+p.add_argument("--hpz", action="store_true", help="hpZ on the --hsdp mesh: storage over both "
+               "axes, backward re-gathers within a process")
 p.add_argument("--out", default=None)
 args = p.parse_args()
 if not joined:
@@ -46,9 +50,11 @@ cfg = GPTConfig(d_model=32, n_layer=layers[jax.process_index() % len(layers)], n
                 d_ff=64, seq_len=16)
 model, batch_size = GPT(cfg), 8
 loss_fn = make_loss_fn(model)
+two_axes = args.hsdp or args.hpz
 config = zjax.ZeroConfig(param_persistence_threshold=256,
-                         replicate_axes=("data",) if args.hsdp else ())
-if args.hsdp:  # one row per process: the data axis crosses processes, fsdp stays inside
+                         replicate_axes=("data",) if two_axes else (),
+                         secondary_partition=args.hpz)
+if two_axes:  # one row per process: the data axis crosses processes, fsdp stays inside
   nodes = max(jax.process_count(), 2)
   mesh = jax.make_mesh((nodes, jax.device_count() // nodes), ("data", "fsdp"))
 else:

@@ -15,9 +15,10 @@ def test_bench_runs_and_writes_json_and_plots(tmp_path):
   assert done.returncode == 0, done.stderr[-3000:]
   results = json.loads((tmp_path / "bench.json").read_text())
   methods = [r["method"] for r in results["compare"]]
-  assert methods == ["zjax", "zjax_scanned", "gspmd_fsdp", "data_parallel"]
+  assert methods == ["zjax", "zjax_scanned", "gspmd_fsdp", "data_parallel", "zjax_hsdp",
+                     "zjax_hpz", "gspmd_hsdp"]
   rows = {r["method"]: r for r in results["compare"]}
-  for name in ("zjax", "zjax_scanned"):  # measured collectives are the schedule's
+  for name in ("zjax", "zjax_scanned", "zjax_hsdp", "zjax_hpz"):  # as the schedule says
     r = rows[name]
     assert (r["all_gather_bytes"], r["reduce_scatter_bytes"]) == \
         (r["predicted_all_gather_bytes"], r["predicted_reduce_scatter_bytes"])

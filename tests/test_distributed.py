@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "examples" / "distributed_gpt.py")
@@ -37,11 +38,13 @@ def assert_params(a, b, rtol, atol):
     np.testing.assert_allclose(a[key], b[key], rtol=rtol, atol=atol, err_msg=key)
 
 
-def test_hsdp_across_two_processes_equals_one_process_and_flat(tmp_path):
-  """Replicate axis across processes (one per "node"), shard axis inside each."""
-  two = launch("--hsdp", "--steps", "3", "--out", str(tmp_path / "two.json"))
+@pytest.mark.parametrize("layout", ["--hsdp", "--hpz"])
+def test_hsdp_across_two_processes_equals_one_process_and_flat(tmp_path, layout):
+  """Replicate axis across processes (one per "node"), shard axis inside each (hpZ: storage
+  over both, backward re-gathers inside a process)."""
+  two = launch(layout, "--steps", "3", "--out", str(tmp_path / "two.json"))
   assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
-  one = single("--hsdp", "--steps", "3", "--out", str(tmp_path / "one.json"))
+  one = single(layout, "--steps", "3", "--out", str(tmp_path / "one.json"))
   flat = single("--steps", "3", "--out", str(tmp_path / "flat.json"))
   assert one.returncode == 0 and flat.returncode == 0, one.stderr[-3000:] + flat.stderr[-3000:]
   a, b, c = (read(tmp_path / f"{n}.json") for n in ("two", "one", "flat"))

@@ -1,8 +1,9 @@
-"""Hybrid sharding (HSDP): parameters sharded over `axis_name`, replicated over
-`ZeroConfig.replicate_axes`, the batch split over both. Results equal plain single-device
-JAX on the full batch (fp32 rtol 1e-5) and flat 8-device zjax; the compiled collectives
-equal the report (gathers and reduce-scatters within a shard group, one all-reduce of each
-gradient shard over the replicas)."""
+"""Meshes with two axes: HSDP (parameters sharded over the shard axis, replicated over
+`ZeroConfig.replicate_axes`), hpZ (storage over both axes, backward re-gathers from a
+secondary partition within the shard axis) and flat ZeRO-3 over both axes; the batch is
+split over both. Results equal plain single-device JAX on the full batch (fp32 rtol 1e-5)
+and flat 8-device zjax; the compiled collectives equal the report, per mesh axis (replica
+groups included)."""
 
 import dataclasses
 
@@ -28,6 +29,9 @@ SHAPES = [(2, 4), (4, 2)]
 PARAM_ATOL = 5e-5
 CONFIG = zjax.ZeroConfig(param_persistence_threshold=64, max_reuse_distance=0,
                          replicate_axes=("data",))
+HPZ = dataclasses.replace(CONFIG, secondary_partition=True)
+FLAT_2D = dataclasses.replace(CONFIG, shard_axes=("data", "fsdp"), replicate_axes=())
+LAYOUTS = {"hsdp": CONFIG, "hpz": HPZ, "flat2d": FLAT_2D}
 
 
 def hsdp_mesh(shape):
@@ -54,13 +58,17 @@ MODELS = {"mlp": mlp, "gpt": gpt_setup, "scanned_gpt": scanned_gpt_setup,
           "tied_cond": tied_cond_setup}
 
 
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_gradients_equal_the_full_batch_and_the_report_the_program(name, shape):
+def test_gradients_equal_the_full_batch_and_the_report_the_program(name, shape, layout):
   loss, params, batch = MODELS[name]()
   mesh = hsdp_mesh(shape)
-  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=CONFIG)
-  assert (schedule.num_devices, schedule.replicas) == (shape[1], shape[0])
+  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=LAYOUTS[layout])
+  storage = {"hsdp": shape[1], "hpz": 8, "flat2d": 8}[layout]
+  replicas = {"hsdp": shape[0], "hpz": shape[0], "flat2d": 1}[layout]
+  assert (schedule.num_devices, schedule.replicas, schedule.shards) == (
+      storage, replicas, 8 // replicas)
   step = zjax.value_and_grad(loss, schedule, mesh=mesh)
   sharded = zjax.shard(params, schedule, mesh)
   value, grads = step(sharded, batch)
@@ -69,68 +77,61 @@ def test_gradients_equal_the_full_batch_and_the_report_the_program(name, shape):
   assert_trees_close(zjax.unshard(grads, schedule), ref_grads)
 
   report = schedule.report()
-  executed = zjax.hlo.executed(step.lower(sharded, batch).compile().as_text())
+  text = step.lower(sharded, batch).compile().as_text()
+  executed = zjax.hlo.executed(text)
   for kind in ("all_gather", "reduce_scatter"):
     assert (executed.get(f"{kind}_count", 0), executed.get(f"{kind}_bytes", 0)) == \
         (report[f"{kind}_count"], report[f"{kind}_bytes"]), kind
-  assert report["replica_all_reduce_bytes"] == report["reduce_scatter_bytes"] // shape[1] > 0
+  if layout == "hsdp":
+    assert report["replica_all_reduce_bytes"] == report["reduce_scatter_bytes"] // shape[1] > 0
+  else:
+    assert report["replica_all_reduce_bytes"] == 0
   expected = report["replica_all_reduce_bytes"] + report["persistent_grad_all_reduce_bytes"]
   assert expected < executed["all_reduce_bytes"] <= expected + 16  # + the loss
 
+  # per mesh axis, from the compiled program's replica groups
+  by_axis = zjax.hlo.executed_by_axis(text, dict(mesh.shape))
+  assert by_axis["all_gather"] == report["all_gather_bytes_by_axis"]
+  assert by_axis["reduce_scatter"] == report["reduce_scatter_bytes_by_axis"]
+  reduced = dict(by_axis["all_reduce"])
+  reduced["data+fsdp"] -= 4  # the loss's mean, not in the report
+  assert {k: v for k, v in reduced.items() if v} == report["all_reduce_bytes_by_axis"]
+  if layout == "hpz":  # forward gathers span both axes, backward re-gathers the shard axis
+    assert set(report["all_gather_bytes_by_axis"]) == {"data+fsdp", "fsdp"}
+    assert report["secondary_bytes"] > 0
+  else:
+    assert report["secondary_bytes"] == 0
 
-def test_all_gathers_and_reduce_scatters_stay_inside_a_shard_group():
+
+@pytest.mark.parametrize("layout", ["hsdp", "hpz"])
+def test_replica_groups_of_every_collective(layout):
+  """HSDP: gathers and reduce-scatters inside a shard group, one all-reduce per gradient
+  shard across the groups. hpZ: forward gathers and reduce-scatters over all 8 devices,
+  backward re-gathers inside a shard group only."""
   loss, params, batch = gpt_setup()
   mesh = hsdp_mesh((2, 4))
-  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=CONFIG)
+  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=LAYOUTS[layout])
   step = zjax.value_and_grad(loss, schedule, mesh=mesh)
   text = step.lower(zjax.shard(params, schedule, mesh), batch).compile().as_text()
-  groups = {kind: set() for kind in ("all-gather", "reduce-scatter", "all-reduce")}
-  for line in text.splitlines():
-    for kind in groups:
-      if f" {kind}(" in line or f" {kind}-start(" in line:
-        groups[kind].add(line.split("replica_groups=")[1].split(", ")[0].split(" ")[0])
-  fsdp_groups = {(0, 1, 2, 3), (4, 5, 6, 7)}  # device ids of the two shard groups
-  for kind in ("all-gather", "reduce-scatter"):
-    for text_groups in groups[kind]:
-      assert _parse_groups(text_groups) == fsdp_groups, (kind, text_groups)
-  assert any(_parse_groups(g) == {(0, 4), (1, 5), (2, 6), (3, 7)} for g in groups["all-reduce"])
-
-
-def _parse_groups(text):
-  """HLO replica groups, explicit ({{0,1},{2,3}}) or iota ([2,4]<=[8] / [4,2]<=[2,4]T(1,0))."""
-  if text.startswith("{"):
-    return {tuple(int(x) for x in g.split(",")) for g in text.strip("{}").split("},{")}
-  shape, rest = text[1:].split("]<=[")
-  dims, perm = rest.split("]")[0], rest.split("T(")[1].rstrip(")") if "T(" in rest else None
-  ids = np.arange(int(np.prod([int(d) for d in dims.split(",")]))).reshape(
-      [int(d) for d in dims.split(",")])
-  if perm:
-    ids = ids.transpose([int(p) for p in perm.split(",")])
-  rows, cols = (int(d) for d in shape.split(","))
-  return {tuple(int(x) for x in row) for row in ids.reshape(rows, cols)}
+  shard_groups = {(0, 1, 2, 3), (4, 5, 6, 7)}  # device ids along "fsdp"
+  everyone = {tuple(range(8))}
+  found = {"all_gather": [], "reduce_scatter": [], "all_reduce": []}
+  for c in zjax.hlo.collectives(text):
+    found[c.kind].append(set(c.groups) or everyone)
+  if layout == "hsdp":
+    assert all(g == shard_groups for g in found["all_gather"] + found["reduce_scatter"])
+    assert {(0, 4), (1, 5), (2, 6), (3, 7)} in found["all_reduce"]
+  else:
+    assert all(g == everyone for g in found["reduce_scatter"] + found["all_reduce"])
+    gathers = [g == shard_groups for g in found["all_gather"]]
+    assert sum(gathers) == sum(st.op == "gather" for st in schedule.backward) > 0
+    assert all(g == everyone for g, inside in zip(found["all_gather"], gathers) if not inside)
 
 
 @pytest.fixture(scope="module")
 def gpt_reference():
+  """The GPT example after 5 adamw steps: single-device optax, and flat 8-device zjax."""
   loss, params, batch = gpt_setup()
-  return loss, params, batch, reference_run(loss, ADAMW, params, [batch] * 5)
-
-
-@pytest.mark.parametrize("shape", SHAPES)
-def test_five_adamw_steps_equal_optax_and_flat_zero3(gpt_reference, shape):
-  loss, params, batch, (ref_params, ref_losses) = gpt_reference
-  mesh = hsdp_mesh(shape)
-  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=CONFIG)
-  trainer = zjax.zero3(loss, ADAMW, schedule, mesh=mesh)
-  state, losses = trainer.init(params), []
-  for _ in range(5):
-    state, metrics = trainer.step(state, batch)
-    losses.append(metrics["loss"])
-  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-  assert_trees_close(trainer.gather_params(state), ref_params, rtol=1e-5, atol=PARAM_ATOL)
-  # 1/S of each sharded parameter per device (+ the persistent ones), as the report says
-  assert zjax.per_device_bytes(state.params) == schedule.report()["state_bytes_per_device"]
-
   flat_mesh = mesh_of(8)
   flat_config = dataclasses.replace(CONFIG, replicate_axes=())
   flat = zjax.zero3(loss, ADAMW, zjax.compile_schedule(loss, params, batch, mesh=flat_mesh,
@@ -138,11 +139,31 @@ def test_five_adamw_steps_equal_optax_and_flat_zero3(gpt_reference, shape):
   flat_state = flat.init(params)
   for _ in range(5):
     flat_state, _ = flat.step(flat_state, batch)
-  assert_trees_close(trainer.gather_params(state), flat.gather_params(flat_state),
-                     rtol=1e-5, atol=PARAM_ATOL)
+  return (loss, params, batch, reference_run(loss, ADAMW, params, [batch] * 5),
+          flat.gather_params(flat_state))
 
 
-def test_checkpoints_move_between_flat_and_hsdp_bitwise(tmp_path):
+@pytest.mark.parametrize("layout,shape", [("hsdp", (2, 4)), ("hsdp", (4, 2)), ("hpz", (2, 4)),
+                                          ("hpz", (4, 2)), ("flat2d", (2, 4))])
+def test_five_adamw_steps_equal_optax_and_flat_zero3(gpt_reference, layout, shape):
+  loss, params, batch, (ref_params, ref_losses), flat_params = gpt_reference
+  mesh = hsdp_mesh(shape)
+  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=LAYOUTS[layout])
+  trainer = zjax.zero3(loss, ADAMW, schedule, mesh=mesh)
+  state, losses = trainer.init(params), []
+  for _ in range(5):
+    state, metrics = trainer.step(state, batch)
+    losses.append(metrics["loss"])
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  assert_trees_close(trainer.gather_params(state), ref_params, rtol=1e-5, atol=PARAM_ATOL)
+  # HSDP: 1/S of each sharded parameter per device; hpZ and flat: 1/(R*S), as flat 8-device
+  # ZeRO-3 (+ the persistent ones), as the report says
+  assert zjax.per_device_bytes(state.params) == schedule.report()["state_bytes_per_device"]
+  assert_trees_close(trainer.gather_params(state), flat_params, rtol=1e-5, atol=PARAM_ATOL)
+
+
+def test_checkpoints_move_between_flat_hsdp_and_hpz_bitwise(tmp_path):
+  """flat 8 -> HSDP 2x4 -> hpZ 4x2 -> flat 4, a step on each."""
   loss, params, batch = gpt_setup()
   flat_mesh, hsdp, half = mesh_of(8), hsdp_mesh((2, 4)), mesh_of(4)
   flat_config = dataclasses.replace(CONFIG, replicate_axes=())
@@ -165,28 +186,40 @@ def test_checkpoints_move_between_flat_and_hsdp_bitwise(tmp_path):
   ckpt = zjax.CheckpointManager(tmp_path / "b", hybrid)
   ckpt.save(2, on_hsdp)
   ckpt.wait_until_finished()
+  hpz = trainer(hsdp_mesh((4, 2)), HPZ)
+  on_hpz = ckpt.restore(hpz)
+  ckpt.close()
+  assert_trees_close(hpz.gather_params(on_hpz),
+                     jax.tree.map(np.asarray, hybrid.gather_params(on_hsdp)), rtol=0, atol=0)
+  on_hpz, _ = hpz.step(on_hpz, batch)
+  ckpt = zjax.CheckpointManager(tmp_path / "c", hpz)
+  ckpt.save(3, on_hpz)
+  ckpt.wait_until_finished()
   on_four = ckpt.restore(four)
   ckpt.close()
   assert_trees_close(four.gather_params(on_four),
-                     jax.tree.map(np.asarray, hybrid.gather_params(on_hsdp)), rtol=0, atol=0)
-  assert int(on_four.step) == 2
+                     jax.tree.map(np.asarray, hpz.gather_params(on_hpz)), rtol=0, atol=0)
+  assert int(on_four.step) == 3
 
 
 def test_bad_hsdp_input_is_named():
   loss, params, batch = mlp()
   mesh = hsdp_mesh((2, 4))
-  with pytest.raises(ValueError, match="replicate_axes names 'fsdp', the axis parameters"):
+  with pytest.raises(ValueError,
+                     match="replicate_axes names 'fsdp', an axis parameters are sharded over"):
     zjax.ZeroConfig(replicate_axes=("fsdp",))
   with pytest.raises(ValueError, match="replicate_axes names 'data' twice"):
     zjax.ZeroConfig(replicate_axes=("data", "data"))
-  with pytest.raises(ValueError, match="must be a tuple of mesh axis names"):
-    zjax.ZeroConfig(replicate_axes="data")
+  with pytest.raises(ValueError,
+                     match="replicate_axes must be a non-empty string naming a mesh axis"):
+    zjax.ZeroConfig(replicate_axes=("data", ""))
   schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=CONFIG)
   with pytest.raises(zjax.ZjaxError, match=r"not divisible by the 8 devices of the data axes "
                      r"\('data', 'fsdp'\)"):
     zjax.value_and_grad(loss, schedule, mesh=mesh)(zjax.shard(params, schedule, mesh),
                                                    jax.tree.map(lambda x: x[:12], batch))
-  with pytest.raises(zjax.ZjaxError, match="replicates over 'data', an axis this mesh"):
+  with pytest.raises(zjax.ZjaxError, match=r"replicates over 'data' \(ZeroConfig."
+                     r"replicate_axes\), an axis this mesh lacks"):
     zjax.value_and_grad(loss, schedule, mesh=mesh_of(4))
   with pytest.raises(zjax.ZjaxError, match="Mesh axis 'data' has size 1, but the schedule "
                      "was planned with it as a replicate axis of size 2"):
@@ -198,7 +231,8 @@ def test_bad_hsdp_input_is_named():
     zjax.value_and_grad(loss, flat, mesh=mesh)
 
 
-def test_clipping_accumulation_sub_groups_and_frozen_params_under_hsdp():
+@pytest.mark.parametrize("layout", ["hsdp", "hpz"])
+def test_clipping_accumulation_sub_groups_and_frozen_params(layout):
   """The global gradient norm counts each element once (not once per replica); clipping,
   gradient accumulation, sub-groups and frozen parameters give single-device optax's
   result."""
@@ -208,7 +242,7 @@ def test_clipping_accumulation_sub_groups_and_frozen_params_under_hsdp():
   optimizer = optax.chain(optax.clip_by_global_norm(ref_norm / 10), optax.adam(1e-2, eps=1e-6))
   ref_params, ref_losses = reference_run(frozen_loss, optimizer, params, [batch] * 3)
   mesh = hsdp_mesh((2, 4))
-  config = dataclasses.replace(CONFIG, sub_group_size=100)
+  config = dataclasses.replace(LAYOUTS[layout], sub_group_size=100)
   schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=config,
                                    frozen=lambda path: path.startswith("['layer1']"))
   trainer = zjax.zero3(loss, optimizer, schedule, mesh=mesh, accumulation_steps=2)
@@ -223,14 +257,17 @@ def test_clipping_accumulation_sub_groups_and_frozen_params_under_hsdp():
   np.testing.assert_array_equal(trained["layer1"]["kernel"], params["layer1"]["kernel"])
 
 
-def test_bf16_compute_under_hsdp_equals_flat_bf16():
+@pytest.mark.parametrize("layout", ["hsdp", "hpz"])
+def test_bf16_compute_equals_flat_bf16(layout):
   """Each device computes the same share in bf16 as on a flat 8-device mesh (the data axis
-  is major); only the fp32 summation order of the gradients differs."""
+  is major); only the fp32 summation order of the gradients differs. hpZ's secondary holds
+  the bf16 wire buffer: backward re-gathers are bitwise the forward's."""
   loss, params, batch = gpt_setup()
-  bf16 = dataclasses.replace(CONFIG, compute_dtype=jnp.bfloat16)
+  bf16 = dataclasses.replace(LAYOUTS[layout], compute_dtype=jnp.bfloat16)
   results = []
   for mesh, config in ((hsdp_mesh((2, 4)), bf16),
-                       (mesh_of(8), dataclasses.replace(bf16, replicate_axes=()))):
+                       (mesh_of(8), dataclasses.replace(bf16, replicate_axes=(),
+                                                        secondary_partition=False))):
     schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=config)
     value, grads = zjax.value_and_grad(loss, schedule, mesh=mesh)(
         zjax.shard(params, schedule, mesh), batch)
@@ -255,3 +292,76 @@ def test_outside_style_models_under_hsdp(name):
   ref_out, ref_grads = case_reference(case)
   assert_same_outputs(case, out, ref_out)
   assert_trees_close(zjax.unshard(grads, schedule), ref_grads)
+
+
+def test_hpz_schedule_shows_and_checks_its_secondary_partition():
+  """The secondary partition is its own steps with its bytes; an edited file that breaks
+  it (or the axes a collective spans) is refused, naming the step."""
+  import json
+  loss, params, batch = mlp()
+  schedule = zjax.compile_schedule(loss, params, batch, axis_sizes={"data": 2, "fsdp": 4},
+                                   config=HPZ)
+  assert (schedule.num_devices, schedule.shards, schedule.replicas) == (8, 4, 2)
+  kept = [st.bucket for st in schedule.forward if st.op == "keep_secondary"]
+  dropped = [st.bucket for st in schedule.backward if st.op == "drop_secondary"]
+  regathered = [st.bucket for st in schedule.backward if st.op == "gather"]
+  assert sorted(kept) == sorted(dropped) == sorted(set(regathered)) and kept
+  sim = schedule._simulation  # each re-gathered bucket's gathered bytes, 1/S of them kept
+  assert schedule.report()["secondary_bytes"] == sum(sim.bucket_bytes[b] // 4 for b in kept)
+  table = str(schedule)
+  assert "keep secondary" in table and "drop secondary" in table
+  assert "hpZ" in table and "data+fsdp" in table
+  assert zjax.Schedule.from_json(schedule.to_json()) == schedule
+
+  def edited(change):
+    data = json.loads(schedule.to_json())
+    change(data)
+    return json.dumps(data)
+
+  def drop_keeps(d):
+    d["forward"] = [st for st in d["forward"] if st["op"] != "keep_secondary"]
+
+  def widen_regather(d):
+    next(st for st in d["backward"] if st["op"] == "gather")["axes"] = ["data", "fsdp"]
+
+  def plain_config(d):
+    d["config"]["secondary_partition"] = False
+    d["num_devices"] = 4
+    for st in d["forward"] + d["backward"]:
+      st.pop("axes", None)
+
+  for change, message in ((drop_keeps, "none is kept: add keep_secondary"),
+                          (widen_regather, r"gather runs over axes \['fsdp'\] under this "
+                                           r"config"),
+                          (plain_config, "config has no secondary partition")):
+    with pytest.raises(zjax.ScheduleError, match=message):
+      zjax.Schedule.from_json(edited(change))
+  with pytest.raises(ValueError, match=r"secondary_partition \(hpZ\) needs replicate_axes"):
+    zjax.ZeroConfig(secondary_partition=True)
+
+
+@pytest.mark.parametrize("name", ["gpt", "scanned_gpt"])
+def test_memory_of_each_layout_as_predicted(name):
+  """Per-device state: HSDP 1/S, flat and hpZ 1/(R*S) of each sharded parameter (+ the
+  persistent ones), from the arrays and from the compiled program's arguments; hpZ's extra
+  temp memory over flat is its secondary partition (within 25%: XLA's buffer assignment)."""
+  loss, params, batch = MODELS[name]()
+  mesh = hsdp_mesh((2, 4))
+  found = {}
+  for layout, config in LAYOUTS.items():
+    schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=config)
+    sharded = zjax.shard(params, schedule, mesh)
+    memory = zjax.value_and_grad(loss, schedule, mesh=mesh).lower(
+        sharded, batch).compile().memory_analysis()
+    report = schedule.report()
+    assert zjax.per_device_bytes(sharded) == report["state_bytes_per_device"]
+    found[layout] = (report, memory)
+  batch_share = {m.argument_size_in_bytes - r["state_bytes_per_device"]
+                 for r, m in found.values()}
+  assert len(batch_share) == 1  # the arguments are the state and the same batch share
+  persistent = sum(p.size * 4 for p in schedule.params if p.persistent)
+  state = {k: r["state_bytes_per_device"] - persistent for k, (r, _) in found.items()}
+  assert state["hpz"] == state["flat2d"] and 1.9 < state["hsdp"] / state["flat2d"] <= 2
+  secondary = found["hpz"][0]["secondary_bytes"]
+  extra = found["hpz"][1].temp_size_in_bytes - found["flat2d"][1].temp_size_in_bytes
+  assert 0.75 * secondary <= extra <= 1.25 * secondary, (extra, secondary)

@@ -283,12 +283,12 @@ def test_compile_schedule_with_mesh():
   hsdp = zjax.compile_schedule(loss, params, batch, mesh=mesh2d,
                                config=zjax.ZeroConfig(replicate_axes=("data",)))
   assert (hsdp.num_devices, hsdp.replica_sizes, hsdp.data_parallel_size) == (4, (2,), 8)
-  with pytest.raises(ValueError, match="Mesh axis 'data' is neither the sharding axis"):
+  with pytest.raises(ValueError, match="Mesh axis 'data' is neither a shard axis"):
     zjax.compile_schedule(loss, params, batch, mesh=mesh2d)
   with pytest.raises(ValueError, match="replicate_axes names 'replica', but the mesh has"):
     zjax.compile_schedule(loss, params, batch, mesh=mesh2d,
                           config=zjax.ZeroConfig(replicate_axes=("data", "replica")))
-  with pytest.raises(ValueError, match="axis_name is 'fsdp'"):
+  with pytest.raises(ValueError, match="shard_axes/axis_name names 'fsdp', but the mesh has axes"):
     zjax.compile_schedule(loss, params, batch, mesh=jax.make_mesh((8,), ("x",)))
   with pytest.raises(ValueError, match="exactly one of mesh"):
     zjax.compile_schedule(loss, params, batch)

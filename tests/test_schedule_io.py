@@ -55,8 +55,8 @@ def test_json_is_versioned_and_diff_friendly(schedule):
   # one step per line: a moved gather is a one-line diff
   assert text.count('{"op": ') == len(schedule.forward) + len(schedule.backward)
   assert list(data) == ["format", "version", "fingerprint", "num_devices", "platform",
-                        "replica_sizes", "config", "program", "params", "buckets", "segments",
-                        "forward", "backward"]
+                        "replica_sizes", "shard_sizes", "config", "program", "params",
+                        "buckets", "segments", "forward", "backward"]
 
 
 def test_planning_is_deterministic():
@@ -244,6 +244,10 @@ def test_files_from_before_gradient_reduction_and_platform_still_load():
 
   def old_format(data):
     del data["platform"], data["replica_sizes"], data["config"]["replicate_axes"]
+    del data["shard_sizes"], data["config"]["shard_axes"], data["config"]["secondary_partition"]
+    data["config"]["axis_name"] = "fsdp"
+    for step in data["forward"] + data["backward"]:  # no axes named before meshes had two
+      step.pop("axes", None), step.pop("mean_over", None)
     del data["config"]["gradient_reduction"], data["config"]["fold_rng_keys"]
 
   old = zjax.Schedule.from_json(edited(new, old_format))

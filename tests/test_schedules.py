@@ -19,8 +19,9 @@ CHECKED_IN = {
 @pytest.mark.parametrize("name", sorted(CHECKED_IN))
 def test_checked_in_schedule_matches_the_code(name):
   target = load_target(str(ROOT / CHECKED_IN[name]))
-  trace = trace_for_schedule(target.loss_fn, target.params, target.batch, target.config, 8)
-  produced = plan_schedule(trace, target.config, 8, platform="cpu").to_json()
+  trace = trace_for_schedule(target.loss_fn, target.params, target.batch, target.config,
+                             {"fsdp": 8})
+  produced = plan_schedule(trace, target.config, {"fsdp": 8}, platform="cpu").to_json()
   on_disk = (ROOT / "schedules" / name).read_text()
   assert produced == on_disk, (
       f"schedules/{name} is stale: regenerate it as schedules/README.md says, and review the "

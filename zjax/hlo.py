@@ -1,7 +1,7 @@
 """Collective and memory analysis of compiled programs (public API of zjax._src.hlo)."""
 
-from zjax._src.hlo import (Collective, collectives, conditional_branches, executed, summarize,
-                           while_loops)
+from zjax._src.hlo import (Collective, axes_of_groups, collectives, conditional_branches,
+                           executed, executed_by_axis, replica_groups, summarize, while_loops)
 
-__all__ = ["Collective", "collectives", "conditional_branches", "executed", "summarize",
-           "while_loops"]
+__all__ = ["Collective", "axes_of_groups", "collectives", "conditional_branches", "executed",
+           "executed_by_axis", "replica_groups", "summarize", "while_loops"]

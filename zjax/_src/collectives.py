@@ -1,5 +1,6 @@
-"""The schedule's two collectives as one device runs them inside shard_map: a bucket's
-coalesced all-gather and its gradient's reduce-scatter (see layout.py for the packing)."""
+"""The schedule's collectives as one device runs them inside shard_map: a bucket's coalesced
+all-gather, its hpZ secondary partition, and its gradient's reduce-scatter (see layout.py
+for the packing). `axes` are mesh axis names (a tuple spans several, row-major)."""
 
 import jax.numpy as jnp
 from jax import lax
@@ -7,24 +8,51 @@ from jax import lax
 from zjax._src import layout
 
 
-def all_gather_bucket(chunks, entries, num_devices: int, axis: str) -> list:
-  """Each member's local chunk (in the compute dtype) -> its whole natural-shape value.
-  `entries` describe what one gather makes whole (a layer entry for stacked members)."""
+def gather_wire(chunks, axes):
+  """Each member's local chunk (in the compute dtype) -> (the gathered [N, W] wire buffer,
+  the local buffer); row d is device d's."""
   local = jnp.concatenate(chunks) if len(chunks) > 1 else chunks[0]
-  wire = lax.all_gather(layout.to_wire(local), axis, tiled=False)
-  full = layout.from_wire(wire, local.dtype, local.shape[0])
+  return lax.all_gather(layout.to_wire(local), axes, tiled=False), local
+
+
+def unpack_wire(wire, chunks, entries, num_devices: int) -> list:
+  """The gathered wire buffer of the bucket whose local `chunks` (or arrays of their shape
+  and dtype) are these -> each member's whole natural-shape value."""
+  length = sum(c.shape[0] for c in chunks)
+  full = layout.from_wire(wire, chunks[0].dtype, length)
   return layout.unpack_gathered(full, entries, num_devices)
 
 
-def reduce_scatter_bucket(grads, entries, num_devices: int, axis: str, wire_dtype,
-                          replicate_axes=()) -> list:
+def all_gather_bucket(chunks, entries, num_devices: int, axes) -> list:
+  """Each member's local chunk -> its whole natural-shape value. `entries` describe what
+  one gather makes whole (a layer entry for stacked members)."""
+  wire, _ = gather_wire(chunks, axes)
+  return unpack_wire(wire, chunks, entries, num_devices)
+
+
+def secondary_rows(wire, replicas: int, shard_axes):
+  """hpZ: this device's secondary shard of a gathered [R*S, W] wire buffer, the rows of
+  its own position s on the shard axes in every replica group ([R, W], 1/S of it)."""
+  rows = wire.reshape(replicas, -1, wire.shape[-1])  # [R, S, W]: device r*S + s
+  return lax.dynamic_index_in_dim(rows, lax.axis_index(shard_axes), 1, keepdims=False)
+
+
+def gather_from_secondary(secondary, shard_axes):
+  """hpZ re-gather: the [R, W] secondary shards of the S devices on the shard axes -> the
+  whole [R*S, W] wire buffer, without crossing the replicate axes."""
+  parts = lax.all_gather(secondary, shard_axes, tiled=False)  # [S, R, W]
+  return jnp.swapaxes(parts, 0, 1).reshape(-1, secondary.shape[-1])
+
+
+def reduce_scatter_bucket(grads, entries, num_devices: int, axes, wire_dtype,
+                          mean_over=()) -> list:
   """Each member's whole gradient (natural shape, one dtype) -> this device's chunk of the
-  gradient averaged over devices, in that dtype; summed in `wire_dtype` (ir.reduce_wire_dtype).
-  With replicate axes (HSDP) the chunk is then averaged over the replicas (an all-reduce of
-  1/N of the bucket), so it equals the mean over every data-parallel device."""
+  gradient averaged over the N devices of `axes`, in that dtype; summed in `wire_dtype`
+  (ir.reduce_wire_dtype). HSDP (`mean_over`: the replicate axes) then averages the chunk
+  over the replicas (an all-reduce of 1/N of the bucket): the mean over every device."""
   packed = layout.pack_for_scatter(grads, entries, num_devices)
-  mine = lax.psum_scatter(packed.astype(wire_dtype), axis, scatter_dimension=0, tiled=False)
+  mine = lax.psum_scatter(packed.astype(wire_dtype), axes, scatter_dimension=0, tiled=False)
   mine = mine / num_devices
-  if replicate_axes:
-    mine = lax.pmean(mine, replicate_axes)
+  if mean_over:
+    mine = lax.pmean(mine, mean_over)
   return layout.split_chunks(mine.astype(packed.dtype), entries, num_devices)

@@ -19,7 +19,7 @@ _POSITIVE_KNOBS = ("max_live_parameters", "sub_group_size")
 GRADIENT_REDUCTIONS = ("once", "per_gather")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, init=False)
 class ZeroConfig:
   """Knobs of the ZeRO-3 schedule. Sizes are counts of parameter elements, as in DeepSpeed.
 
@@ -37,14 +37,24 @@ class ZeroConfig:
       stored shards keep the parameters' own dtype (they are the fp32 masters).
     reduce_dtype: dtype gradients are reduce-scattered and averaged in (None: the
       parameters' own dtype, e.g. fp32 under bf16 compute; ``jnp.bfloat16`` halves it).
-    axis_name: name of the mesh axis that parameters are sharded over and the batch is
-      split over. The loss may use collectives over it (`lax.pmean`, `axis_index`,
-      `nn.BatchNorm(axis_name=...)` for synchronised batch statistics).
+    shard_axes: the mesh axes parameters are sharded over (S devices: the product of their
+      sizes), in mesh order; default ``(axis_name,)``. The batch is split over these and
+      the replicate axes. The loss may use collectives over any of them (`lax.pmean`,
+      `axis_index`, `nn.BatchNorm(axis_name=...)` for synchronised batch statistics).
+    axis_name: shorthand: ``ZeroConfig(axis_name="batch")`` is ``shard_axes=("batch",)``
+      (given, it overrides shard_axes); read back, the one shard axis's name (their tuple
+      when there are several).
     replicate_axes: mesh axes over which parameters, gradients and optimizer state are
-      replicated rather than sharded (HSDP, PyTorch FSDP2's hybrid sharding): each group of
-      devices along `axis_name` holds one sharded copy; the batch is split over these axes
-      and `axis_name` together, and each bucket's gradient shard is reduce-scattered within
-      the group, then averaged over the replicas (an all-reduce of 1/N of it).
+      replicated rather than sharded (HSDP, PyTorch FSDP2's hybrid sharding, DeepSpeed
+      MiCS): each group of S devices along the shard axes holds one sharded copy; each
+      bucket's gradient is reduce-scattered within the group, then averaged over the R
+      replicas (an all-reduce of 1/S of it).
+    secondary_partition: ZeRO++ hpZ (DeepSpeed ``zero_hpz_partition_size`` = S, the size of
+      the shard axes), with replicate axes only: storage stays sharded over *every* data
+      axis (1/(R*S) per device, like flat ZeRO-3) and forward gathers and reduce-scatters
+      span them all, but each forward gather also leaves the device a secondary 1/S shard
+      of the bucket, from which backward re-gathers it over the shard axes alone (never
+      across the replicate axes, e.g. never leaving the node).
     gradient_reduction: when a bucket gathered several times in forward (a tied embedding,
       a weight reused after max_reuse_distance released it) has its gradient
       reduce-scattered: "once" (default, as DeepSpeed: one reduce-scatter per step, after
@@ -70,22 +80,48 @@ class ZeroConfig:
   sub_group_size: int = int(1e9)
   compute_dtype: Any = None
   reduce_dtype: Any = None
-  axis_name: str = "fsdp"
+  shard_axes: tuple[str, ...] = ("fsdp",)
   replicate_axes: tuple[str, ...] = ()
+  secondary_partition: bool = False
   gradient_reduction: str = "once"
   fold_rng_keys: bool = True
+
+  def __init__(self, *, axis_name: Any = None, **values):
+    # axis_name is an alias, not a field: dataclasses.replace(cfg, shard_axes=...) then
+    # never meets a stale axis_name, and replace(cfg, axis_name=...) overrides shard_axes.
+    fields = {f.name: f for f in dataclasses.fields(self)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+      raise TypeError(f"ZeroConfig got unknown field(s) {unknown}; fields: {sorted(fields)} "
+                      f"(and axis_name).")
+    if axis_name is not None:
+      values["shard_axes"] = axis_name
+    for name, f in fields.items():
+      object.__setattr__(self, name, values.get(name, f.default))
+    self.__post_init__()
+
+  @property
+  def axis_name(self):
+    """The one shard axis's name (a tuple of names when there are several)."""
+    return self.shard_axes[0] if len(self.shard_axes) == 1 else self.shard_axes
 
   def __post_init__(self):
     for name in _ELEMENT_KNOBS:
       object.__setattr__(self, name, _check_element_count(name, getattr(self, name)))
     for name in ("compute_dtype", "reduce_dtype"):
       object.__setattr__(self, name, _check_float_dtype(name, getattr(self, name)))
-    if not isinstance(self.axis_name, str) or not self.axis_name:
-      raise ValueError(
-          f"ZeroConfig.axis_name must be a non-empty string naming a mesh axis, "
-          f"got {self.axis_name!r}.")
+    shard_axes = _axis_tuple("shard_axes", self.shard_axes, False)
+    object.__setattr__(self, "shard_axes", shard_axes)
     object.__setattr__(self, "replicate_axes", _check_replicate_axes(self.replicate_axes,
-                                                                     self.axis_name))
+                                                                     shard_axes))
+    if not isinstance(self.secondary_partition, bool):
+      raise ValueError(f"ZeroConfig.secondary_partition must be True or False, got "
+                       f"{self.secondary_partition!r}.")
+    if self.secondary_partition and not self.replicate_axes:
+      raise ValueError("ZeroConfig.secondary_partition (hpZ) needs replicate_axes: the "
+                       "secondary shard spans the shard axes inside each replica group (e.g. "
+                       "a node); without a replicate axis set replicate_axes=('replica',) "
+                       "on a 2-D mesh, or leave secondary_partition False.")
     if self.gradient_reduction not in GRADIENT_REDUCTIONS:
       raise ValueError(f"ZeroConfig.gradient_reduction must be one of "
                        f"{list(GRADIENT_REDUCTIONS)}, got {self.gradient_reduction!r}.")
@@ -99,19 +135,31 @@ class ZeroConfig:
     for name in ("compute_dtype", "reduce_dtype"):
       out[name] = None if out[name] is None else out[name].name
     out["replicate_axes"] = list(self.replicate_axes)
+    out["shard_axes"] = list(self.shard_axes)
     return out
 
   @property
   def data_axes(self) -> tuple[str, ...]:
-    """Every axis the batch is split over: the replicate axes, then the sharding axis."""
-    return (*self.replicate_axes, self.axis_name)
+    """Every axis the batch is split over: the replicate axes, then the shard axes."""
+    return (*self.replicate_axes, *self.shard_axes)
+
+  @property
+  def storage_axes(self) -> tuple[str, ...]:
+    """The axes parameter storage is sharded over: the shard axes, or with a secondary
+    partition (hpZ) every data axis."""
+    return self.data_axes if self.secondary_partition else self.shard_axes
+
+  @property
+  def averaged_axes(self) -> tuple[str, ...]:
+    """Axes a reduce-scattered gradient shard is then averaged over (HSDP's replicas)."""
+    return () if self.secondary_partition else self.replicate_axes
 
   @classmethod
   def from_dict(cls, data: dict) -> "ZeroConfig":
     """Inverse of `to_dict`; unknown keys are an error naming them."""
     if not isinstance(data, dict):
       raise ValueError(f"ZeroConfig.from_dict expects a dict, got {type(data).__name__}.")
-    known = {f.name for f in dataclasses.fields(cls)}
+    known = {f.name for f in dataclasses.fields(cls)} | {"axis_name"}
     unknown = sorted(set(data) - known)
     if unknown:
       raise ValueError(f"Unknown ZeroConfig field(s) {unknown}; known fields: {sorted(known)}.")
@@ -133,18 +181,25 @@ def _check_element_count(name: str, value: Any) -> int:
   return value
 
 
-def _check_replicate_axes(value: Any, axis_name: str) -> tuple[str, ...]:
-  if isinstance(value, str) or not isinstance(value, (tuple, list)) or not all(
-      isinstance(a, str) and a for a in value):
-    raise ValueError(f"ZeroConfig.replicate_axes must be a tuple of mesh axis names, got "
-                     f"{value!r}.")
+def _axis_tuple(field: str, given: Any, allow_empty: bool) -> tuple[str, ...]:
+  value = (given,) if isinstance(given, str) else given
+  if not isinstance(value, (tuple, list)) or not all(isinstance(a, str) and a for a in value) \
+      or not (value or allow_empty):
+    raise ValueError(f"ZeroConfig.{field} must be a non-empty string naming a mesh axis, or a "
+                     f"tuple of them, got {given!r}.")
   for i, axis in enumerate(value):
-    if axis == axis_name:
-      raise ValueError(f"ZeroConfig.replicate_axes names {axis!r}, the axis parameters are "
-                       f"sharded over (axis_name): an axis either shards or replicates.")
     if axis in value[:i]:
-      raise ValueError(f"ZeroConfig.replicate_axes names {axis!r} twice.")
+      raise ValueError(f"ZeroConfig.{field} names {axis!r} twice.")
   return tuple(value)
+
+
+def _check_replicate_axes(value: Any, shard_axes: tuple[str, ...]) -> tuple[str, ...]:
+  value = _axis_tuple("replicate_axes", value, True) if value != () else ()
+  for axis in value:
+    if axis in shard_axes:
+      raise ValueError(f"ZeroConfig.replicate_axes names {axis!r}, an axis parameters are "
+                       f"sharded over (shard_axes): an axis either shards or replicates.")
+  return value
 
 
 def _check_float_dtype(name: str, value: Any):

@@ -63,7 +63,6 @@ class _Runner:
 
   def __init__(self, loss_fn, schedule, mesh):
     self.loss_fn, self.schedule, self.mesh = loss_fn, schedule, mesh
-    self.axis = schedule.config.axis_name
     self.n = schedule.num_devices
     self.data_axes = schedule.config.data_axes  # the batch is split over all of them
     self.data_parallel = schedule.data_parallel_size
@@ -102,15 +101,14 @@ class _Runner:
                         f"{x.shape[0]}, not divisible by the {self.data_parallel} devices of "
                         f"the data axes {self.data_axes}. Use a global batch that is a "
                         f"multiple of {self.data_parallel}.{hint}")
-      return P(self.data_axes if len(self.data_axes) > 1 else self.axis)
+      return P(self.data_axes if len(self.data_axes) > 1 else self.data_axes[0])
     return jax.tree_util.tree_map_with_path(spec, batch)
 
   def _device_program(self, treedef, batch, extra) -> "_DeviceProgram":
     """Trace the loss as the schedule was planned; it must match the schedule."""
     params = [jax.ShapeDtypeStruct(p.shape, jnp.dtype(p.dtype)) for p in self.schedule.params]
     trace = trace_for_schedule(self.loss_fn, jax.tree_util.tree_unflatten(treedef, params),
-                               batch, self.schedule.config, self.n, extra,
-                               self.schedule.replica_sizes)
+                               batch, self.schedule.config, self.schedule.axis_sizes, extra)
     _check_trace_matches(trace, self.schedule)
     return _DeviceProgram(self.schedule, trace.program)
 
@@ -134,8 +132,11 @@ class _DeviceProgram:
 
   def __init__(self, schedule, program):
     self.s, self.program = schedule, program
-    self.n, self.axis = schedule.num_devices, schedule.config.axis_name
-    self.replicate_axes, self.data_axes = schedule.config.replicate_axes, schedule.config.data_axes
+    config = schedule.config
+    self.n, self.data_axes = schedule.num_devices, config.data_axes
+    self.storage_axes, self.shard_axes = config.storage_axes, config.shard_axes
+    self.mean_over = config.averaged_axes  # HSDP: gradient shards averaged over replicas
+    self.secondary_partition = config.secondary_partition  # hpZ
     analysis = seg_lib.analyze(program, schedule.segments,
                                [ir.has_gradient(p) for p in schedule.params])
     self.chains, self.segments = analysis.chains, analysis.ios
@@ -156,6 +157,9 @@ class _DeviceProgram:
 
   def wire_dtype(self, i):
     return ir.reduce_wire_dtype(self.s.params[i].dtype, self.s.config, self.s.platform)
+
+  def gather_axes(self, phase: str):
+    return tuple(ir.collective_axes("gather", phase, self.s.config)["axes"])
 
   def run(self, shard_leaves, batch, extra):
     """-> ((mean loss, new extra averaged over devices), local gradient shards)."""
@@ -189,6 +193,8 @@ class _State:
     num_params = len(dp.s.params)
     self.env.update(zip(dp.program.input_ids[num_params:], batch_leaves))
     self.gathered: dict[int, Any] = {}  # param index -> natural-shape full value
+    self.wires: dict[int, Any] = {}  # hpZ: bucket -> its last forward gather's wire buffer
+    self.secondary: dict[int, Any] = {}  # hpZ: bucket -> this device's secondary shard
     self.anchor = batch_leaves[0] if batch_leaves else None
     self.vjps: dict[int, tuple] = {}
     self.cts: dict[int, Any] = {}
@@ -220,16 +226,33 @@ class _State:
     return jnp.zeros(aval.shape, aval.dtype)
 
   # ---- collectives ----------------------------------------------------------------------
-  def gather(self, b):
+  def gather(self, b, phase: str):
     members = self.dp.members[b]
     entries = [self.dp.s.params[i] for i in members]
     chunks = [self.shards[i].astype(self.dp.compute_dtype(i)) for i in members]
-    if self.anchor is not None:
-      chunks, _ = lax.optimization_barrier((chunks, self.anchor))
-    values = collectives.all_gather_bucket(chunks, entries, self.dp.n, self.dp.axis)
+    if phase == "backward" and self.dp.secondary_partition:  # hpZ: from the secondary
+      secondary = self.secondary[b]
+      if self.anchor is not None:
+        secondary, _ = lax.optimization_barrier((secondary, self.anchor))
+      wire = collectives.gather_from_secondary(secondary, self.dp.shard_axes)
+    else:
+      if self.anchor is not None:
+        chunks, _ = lax.optimization_barrier((chunks, self.anchor))
+      wire, _ = collectives.gather_wire(chunks, self.dp.gather_axes(phase))
+      if self.dp.secondary_partition:
+        self.wires[b] = wire
+    values = collectives.unpack_wire(wire, chunks, entries, self.dp.n)
     self.gathered.update(zip(members, values))
 
+  def keep_secondary(self, b):
+    self.secondary[b] = collectives.secondary_rows(self.wires[b], self.dp.s.replicas,
+                                                   self.dp.shard_axes)
+
+  def drop_secondary(self, b):
+    del self.secondary[b]
+
   def release(self, b):
+    self.wires.pop(b, None)
     for i in self.dp.members[b]:
       self.gathered.pop(i, None)
 
@@ -239,9 +262,9 @@ class _State:
     grads = [self.full_grads.pop(i, None) for i in members]
     grads = [jnp.zeros(e.shape, self.dp.reduce_dtype(i)) if g is None else
              g.astype(self.dp.reduce_dtype(i)) for i, g, e in zip(members, grads, entries)]
-    chunks = collectives.reduce_scatter_bucket(grads, entries, self.dp.n, self.dp.axis,
+    chunks = collectives.reduce_scatter_bucket(grads, entries, self.dp.n, self.dp.storage_axes,
                                                self.dp.wire_dtype(members[0]),
-                                               self.dp.replicate_axes)
+                                               self.dp.mean_over)
     for i, chunk in zip(members, chunks):
       self.add_shard_grad(i, chunk)
 
@@ -250,9 +273,13 @@ class _State:
 
   def run_step(self, step, phase: str):
     if step.op == "gather":
-      self.gather(step.bucket)
+      self.gather(step.bucket, phase)
     elif step.op == "release":
       self.release(step.bucket)
+    elif step.op == "keep_secondary":
+      self.keep_secondary(step.bucket)
+    elif step.op == "drop_secondary":
+      self.drop_secondary(step.bucket)
     elif step.op == "reduce_scatter":
       self.reduce_scatter(step.bucket)
     elif step.op == ir.LOOP_OP:

@@ -12,6 +12,9 @@ shard. Memory therefore grows with depth only by the saved carries (the activati
 layer boundaries), and the compiled program has one while loop per direction whose body
 holds the per-iteration collectives.
 
+Under hpZ each forward iteration also writes the layer's secondary shard into a stacked
+[L, R, W] buffer that the backward scan re-gathers from, over the shard axes only.
+
 This is the custom-vjp recipe of DESIGN.md written out by hand: the executor already owns
 the backward pass, so it runs the per-iteration vjp itself. Ordering barriers tie each
 gather to the iteration's carry (forward) or cotangent (backward), and the saved residual
@@ -40,6 +43,8 @@ class Loop:
     self.buckets = [st.bucket for st in forward_step.body if st.op == "gather"]
     self.prefetch = {"forward": _prefetches(forward_step), "backward": _prefetches(backward_step)}
     self.scattered = {st.bucket for st in backward_step.body if st.op == "reduce_scatter"}
+    # hpZ: buckets whose per-layer secondary shards forward keeps for backward's re-gathers
+    self.secondary = [st.bucket for st in forward_step.body if st.op == "keep_secondary"]
     stacked = {i for b in self.buckets for i in dp.members[b]}
     self.stacked_inputs = {}  # input position -> (param index, shape-keeping layout ops)
     for j, a in enumerate(op.inputs):
@@ -80,16 +85,36 @@ class Loop:
       env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
 
-  def gather_layer(self, shard_rows: dict, tie) -> dict:
-    """param index -> its layer slice, from this device's rows of the stacked shards."""
-    shard_rows, _ = lax.optimization_barrier((shard_rows, tie))
-    out = {}
+  def gather_layer(self, shard_rows: dict, tie, phase: str = "forward", secondary=None):
+    """-> (param index -> its layer slice, bucket -> the layer's hpZ secondary shard),
+    from this device's rows of the stacked shards (backward under hpZ: from `secondary`,
+    bucket -> the layer's secondary shard, over the shard axes only)."""
+    from_secondary = phase == "backward" and self.dp.secondary_partition
+    if from_secondary:
+      secondary, _ = lax.optimization_barrier((secondary, tie))
+    else:
+      shard_rows, _ = lax.optimization_barrier((shard_rows, tie))
+    layers, kept = {}, {}
     for b in self.buckets:
       members = self.dp.members[b]
       entries = [layout.layer_entry(self.dp.s.params[i]) for i in members]
-      values = collectives.all_gather_bucket([shard_rows[i] for i in members], entries,
-                                             self.dp.n, self.dp.axis)
-      out.update(zip(members, values))
+      chunks = [shard_rows[i] for i in members]
+      if from_secondary:
+        wire = collectives.gather_from_secondary(secondary[b], self.dp.shard_axes)
+      else:
+        wire, _ = collectives.gather_wire(chunks, self.dp.gather_axes(phase))
+        if b in self.secondary:
+          kept[b] = collectives.secondary_rows(wire, self.dp.s.replicas, self.dp.shard_axes)
+      layers.update(zip(members, collectives.unpack_wire(wire, chunks, entries, self.dp.n)))
+    return layers, kept
+
+  def secondary_stacks(self, shards: dict) -> dict:
+    """bucket -> zeros for every layer's secondary shard [L, R, W] (W: the wire length)."""
+    out = {}
+    for b in self.secondary:
+      rows = [shards[i][0] for i in self.dp.members[b]]
+      wire = jax.eval_shape(lambda r: layout.to_wire(jnp.concatenate(r)), rows)
+      out[b] = jnp.zeros((self.length, self.dp.s.replicas, wire.shape[0]), wire.dtype)
     return out
 
   def scatter_layer(self, layer_grads: dict) -> dict:
@@ -102,8 +127,8 @@ class Loop:
       entries = [layout.layer_entry(self.dp.s.params[i]) for i in members]
       grads = [layer_grads[i].astype(self.dp.reduce_dtype(i)) for i in members]
       out.update(zip(members, collectives.reduce_scatter_bucket(
-          grads, entries, self.dp.n, self.dp.axis, self.dp.wire_dtype(members[0]),
-          self.dp.replicate_axes)))
+          grads, entries, self.dp.n, self.dp.storage_axes, self.dp.wire_dtype(members[0]),
+          self.dp.mean_over)))
     return out
 
   # ---- forward ---------------------------------------------------------------------------
@@ -115,39 +140,48 @@ class Loop:
     ys_avals = [self.dp.program.avals[o] for o in self.op.outputs[self.num_carry:]]
     ys = [jnp.zeros(a.shape, a.dtype) for a in ys_avals]
     saved = [jnp.zeros((length,) + jnp.shape(c), jnp.result_type(c)) for c in carry]
+    kept = self.secondary_stacks(shards)  # hpZ: every layer's secondary shards
 
-    def iteration(i, layers, carry, saved, ys):
+    def iteration(i, gathered, carry, saved, ys, kept):
+      layers, secondary = gathered
       new_carry, y = self.body(layers, consts + carry + _read(xs, self.layer(i)))
-      return new_carry, _write(saved, i, carry), _write(ys, self.layer(i), y)
+      return (new_carry, _write(saved, i, carry), _write(ys, self.layer(i), y),
+              _write(kept, self.layer(i), secondary))
 
     if self.prefetch["forward"]:
       first = self.gather_layer(_read(shards, self.layer(0)), tie)
 
       def step(state, i):
-        carry, layers, saved, ys = state
+        carry, gathered, saved, ys, kept = state
         upcoming = self.gather_layer(_read(shards, self.layer(i + 1)), carry)
-        carry, saved, ys = iteration(i, layers, carry, saved, ys)
-        return (carry, upcoming, saved, ys), None
+        carry, saved, ys, kept = iteration(i, gathered, carry, saved, ys, kept)
+        return (carry, upcoming, saved, ys, kept), None
 
-      (carry, last, saved, ys), _ = lax.scan(step, (carry, first, saved, ys),
-                                             jnp.arange(length - 1))
-      carry, saved, ys = iteration(length - 1, last, carry, saved, ys)
+      (carry, last, saved, ys, kept), _ = lax.scan(step, (carry, first, saved, ys, kept),
+                                                   jnp.arange(length - 1))
+      carry, saved, ys, kept = iteration(length - 1, last, carry, saved, ys, kept)
     else:
       def step(state, i):
-        carry, saved, ys = state
-        layers = self.gather_layer(_read(shards, self.layer(i)), carry)
-        return iteration(i, layers, carry, saved, ys), None
+        carry, saved, ys, kept = state
+        gathered = self.gather_layer(_read(shards, self.layer(i)), carry)
+        return iteration(i, gathered, carry, saved, ys, kept), None
 
-      (carry, saved, ys), _ = lax.scan(step, (carry, saved, ys), jnp.arange(length))
-    return carry + ys, (consts, saved, xs)
+      (carry, saved, ys, kept), _ = lax.scan(step, (carry, saved, ys, kept), jnp.arange(length))
+    return carry + ys, (consts, saved, xs, kept)
 
   # ---- backward --------------------------------------------------------------------------
   def backward(self, shards: dict, residuals, ct_outs: list, anchor):
     """-> (cotangents of the op's inputs (None where not differentiated), param index ->
     local gradient chunks [L, c] of the trained stacked parameters). `ct_outs`: one per op
     output, None for non-float outputs."""
-    consts, saved, xs = residuals
+    consts, saved, xs, kept = residuals
     length = self.length
+
+    def gather(i, tie):  # layer i's weights: from the stacked shards, or hpZ's secondary
+      layers, _ = self.gather_layer(_read(shards, self.layer(i)), tie, "backward",
+                                    _read(kept, self.layer(i)))
+      return layers
+
     ct_carry, ct_ys = ct_outs[:self.num_carry], ct_outs[self.num_carry:]
     tie = anchor if anchor is not None else ct_carry
     ct_consts = [jnp.zeros_like(c) if _is_float(c) else None for c in consts]
@@ -177,15 +211,15 @@ class Loop:
     if self.prefetch["backward"]:
       def step(carried, i):
         layers, state = carried
-        upcoming = self.gather_layer(_read(shards, self.layer(i - 1)), state[0])
+        upcoming = gather(i - 1, state[0])
         return (upcoming, iteration(i, layers, *state)), None
 
-      last = self.gather_layer(_read(shards, self.layer(length - 1)), tie)
+      last = gather(length - 1, tie)
       (first, state), _ = lax.scan(step, (last, state), jnp.arange(1, length), reverse=True)
       state = iteration(0, first, *state)
     else:
       def step(state, i):
-        layers = self.gather_layer(_read(shards, self.layer(i)), state[0])
+        layers = gather(i, state[0])
         return iteration(i, layers, *state), None
 
       state, _ = lax.scan(step, state, jnp.arange(length), reverse=True)

@@ -9,7 +9,10 @@ the text holds), `executed` once per iteration (what runs), from the loop's know
 """
 
 import dataclasses
+import itertools
 import re
+
+import numpy as np
 
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
              "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
@@ -24,6 +27,9 @@ _INSTRUCTION = re.compile(
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]+)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+_GROUPS_ALL = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_GROUPS_IOTA_FULL = re.compile(
+    r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _WHILE_BODY = re.compile(r"\swhile\(.*\bbody=%?([\w.\-]+)")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _BRANCHES = re.compile(
@@ -37,6 +43,7 @@ class Collective:
   bytes: int  # full-buffer bytes (see module docstring)
   shape: str
   computation: str  # the HLO computation it sits in (e.g. a while body)
+  groups: tuple = ()  # replica groups (device index tuples); () = every device
 
 
 def collectives(hlo_text: str) -> list[Collective]:
@@ -51,7 +58,7 @@ def collectives(hlo_text: str) -> list[Collective]:
       continue
     kind = _KINDS[m.group("op")]
     found.append(Collective(kind, _collective_bytes(kind, m.group("op"), m.group("shape"), line),
-                            m.group("shape"), computation))
+                            m.group("shape"), computation, replica_groups(line)))
   return found
 
 
@@ -89,6 +96,58 @@ def executed(hlo_text: str) -> dict:
                        f"does not know; its executed count is undefined.")
     out[f"{c.kind}_count"] = out.get(f"{c.kind}_count", 0) + times
     out[f"{c.kind}_bytes"] = out.get(f"{c.kind}_bytes", 0) + times * c.bytes
+  return out
+
+
+def replica_groups(line: str) -> tuple:
+  """The device groups of a collective instruction, list or iota form; () when absent or
+  empty (every device)."""
+  m = _GROUPS_IOTA_FULL.search(line)
+  if m:
+    count, size = int(m.group(1)), int(m.group(2))
+    dims = [int(d) for d in m.group(3).split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if m.group(4):
+      ids = ids.transpose([int(p) for p in m.group(4).split(",")])
+    return tuple(tuple(int(i) for i in row) for row in ids.reshape(count, size))
+  m = _GROUPS_ALL.search(line)
+  if not m or not m.group(1):
+    return ()
+  return tuple(tuple(int(i) for i in g.split(",") if i)
+               for g in re.findall(r"\{([\d,]*)\}", m.group(1)))
+
+
+def axes_of_groups(groups, mesh_shape: dict) -> str:
+  """The mesh axes a collective spans, from its replica groups: "+"-joined names (mesh
+  order) of the axes whose device groups these are, e.g. "fsdp" or "data+fsdp". Device
+  numbers are positions in the mesh's flattened device array (SPMD partition ids)."""
+  names, dims = list(mesh_shape), [int(n) for n in mesh_shape.values()]
+  ids = np.arange(int(np.prod(dims))).reshape(dims)
+  found = {frozenset(g) for g in groups} if groups else {frozenset(ids.flat)}
+  for r in range(1, len(names) + 1):
+    for subset in itertools.combinations(range(len(names)), r):
+      rest = [a for a in range(len(names)) if a not in subset]
+      size = int(np.prod([dims[a] for a in subset]))
+      rows = ids.transpose(rest + list(subset)).reshape(-1, size)
+      if {frozenset(row) for row in rows} == found:
+        return "+".join(names[a] for a in subset)
+  raise ValueError(f"Replica groups {groups} are not the device groups of any set of the "
+                   f"mesh axes {mesh_shape}.")
+
+
+def executed_by_axis(hlo_text: str, mesh_shape: dict) -> dict:
+  """Executed bytes per collective kind and mesh axes: {"all_gather": {"fsdp": bytes, ...}}
+  (a collective in a while body once per iteration, as in `executed`)."""
+  loops = while_loops(hlo_text)
+  out: dict = {}
+  for c in collectives(hlo_text):
+    times = loops.get(c.computation, 1)
+    if times is None:
+      raise ValueError(f"A {c.kind} sits in while body {c.computation}, whose trip count XLA "
+                       f"does not know; its executed bytes are undefined.")
+    per_axis = out.setdefault(c.kind, {})
+    key = axes_of_groups(c.groups, mesh_shape)
+    per_axis[key] = per_axis.get(key, 0) + times * c.bytes
   return out
 
 

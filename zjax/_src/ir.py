@@ -14,6 +14,13 @@ Vocabulary:
     once per forward gather, after the last backward compute that uses the bucket.
   * layout: a sharded parameter is stored flat, zero-padded to a multiple of N elements, and
     split into N contiguous chunks, chunk d on device d; persistent parameters are replicated.
+  * mesh axes: storage is sharded over `config.storage_axes` (N devices: the shard axes,
+    or with hpZ every data axis), device d = row-major index over those axes. Every gather
+    and reduce-scatter step names the axes it runs over (`collective_axes`). HSDP averages
+    each reduce-scattered shard over the replicate axes. hpZ (`secondary_partition`): a
+    forward gather followed by "keep_secondary" leaves the device the bucket's 1/S slice
+    over the shard axes; backward gathers read it (over the shard axes only) until
+    "drop_secondary".
   * loops: a parameter stacked along a layer axis and consumed whole by one scan (as its xs)
     is *stacked*: stored [L, padded layer], each device holding 1/N of every layer. Its
     bucket (all stacked members of one module) is gathered one layer at a time inside a
@@ -29,8 +36,8 @@ import numpy as np
 FORMAT_NAME = "zjax-schedule"
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # version 1: no loops, no stacked parameters
-FORWARD_OPS = ("gather", "compute", "release")
-BACKWARD_OPS = ("gather", "compute", "release", "reduce_scatter")
+FORWARD_OPS = ("gather", "compute", "release", "keep_secondary")
+BACKWARD_OPS = ("gather", "compute", "release", "reduce_scatter", "drop_secondary")
 LOOP_OP = "loop"
 
 
@@ -99,6 +106,32 @@ class Step:
     if self.op == "gather":
       out["prefetch"] = self.prefetch
     return out
+
+  def to_dict_with_axes(self, phase: str, config) -> dict:
+    """to_dict plus the mesh axes of its collective (what the JSON and the table show)."""
+    if self.op == LOOP_OP:
+      return {**self.to_dict(), "body": [st.to_dict_with_axes(phase, config)
+                                         for st in self.body]}
+    return {**self.to_dict(), **collective_axes(self.op, phase, config)}
+
+
+def collective_axes(op: str, phase: str, config) -> dict:
+  """What a step's collective spans: {"axes": [...]} (gather, reduce_scatter), plus
+  {"mean_over": [...]} for HSDP's reduce-scatter (then averaged over the replicas)."""
+  if op == "gather":
+    backward_secondary = phase == "backward" and config.secondary_partition
+    return {"axes": list(config.shard_axes if backward_secondary else config.storage_axes)}
+  if op == "reduce_scatter":
+    out = {"axes": list(config.storage_axes)}
+    if config.averaged_axes:
+      out["mean_over"] = list(config.averaged_axes)
+    return out
+  return {}
+
+
+def axes_key(axes) -> str:
+  """The report's name of a group of mesh axes, e.g. "replica+fsdp"."""
+  return "+".join(axes)
 
 
 def padded_size(size: int, num_devices: int) -> int:

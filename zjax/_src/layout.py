@@ -24,10 +24,17 @@ from zjax._src.errors import ZjaxError
 
 def param_specs(schedule) -> list[P]:
   """PartitionSpec of each leaf's storage, in schedule (= tree-flatten) order."""
-  return [storage_spec(p, schedule.config.axis_name) for p in schedule.params]
+  return [storage_spec(p, storage_axis(schedule.config)) for p in schedule.params]
 
 
-def storage_spec(entry, axis: str) -> P:
+def storage_axis(config):
+  """The PartitionSpec entry of sharded storage: one axis name, or a tuple of them (device d
+  = row-major index over the storage axes)."""
+  axes = config.storage_axes
+  return axes[0] if len(axes) == 1 else axes
+
+
+def storage_spec(entry, axis) -> P:
   if entry.persistent:
     return P()
   return P(None, axis) if entry.stacked else P(axis)
@@ -224,26 +231,26 @@ def _unshard_program(schedule, mesh):
 
 
 def check_mesh(schedule, mesh) -> None:
-  axis = schedule.config.axis_name
-  if axis not in mesh.shape:
-    raise ZjaxError(f"The mesh has axes {tuple(mesh.shape)}, but the schedule shards over "
-                    f"{axis!r} (ZeroConfig.axis_name).")
-  if mesh.shape[axis] != schedule.num_devices:
-    raise ZjaxError(f"The schedule was planned for {schedule.num_devices} devices but the "
-                    f"mesh axis {axis!r} has {mesh.shape[axis]}. Plan it for this mesh "
-                    f"(compile_schedule(..., mesh=mesh)).")
-  replicas = dict(zip(schedule.config.replicate_axes, schedule.replica_sizes))
-  for name, size in mesh.shape.items():
-    if name != axis and replicas.get(name) != size:
-      planned = (f"was planned with it as a replicate axis of size {replicas[name]}"
-                 if name in replicas else "does not use it (it is not in "
-                 "ZeroConfig.replicate_axes)")
-      raise ZjaxError(f"Mesh axis {name!r} has size {size}, but the schedule {planned}. Plan "
-                      f"the schedule for this mesh (compile_schedule(..., mesh=mesh)).")
-  for name in replicas:
+  """The mesh must be the one the schedule was planned for: the same data axes and sizes."""
+  sizes, config = schedule.axis_sizes, schedule.config
+  for name, size in sizes.items():
+    role = "replicates" if name in config.replicate_axes else "shards"
     if name not in mesh.shape:
-      raise ZjaxError(f"The schedule replicates over {name!r}, an axis this mesh "
-                      f"{tuple(mesh.shape)} lacks. Plan the schedule for this mesh.")
+      field = "replicate_axes" if role == "replicates" else "shard_axes"
+      raise ZjaxError(f"The mesh has axes {tuple(mesh.shape)}, but the schedule {role} over "
+                      f"{name!r} (ZeroConfig.{field}), an axis this mesh lacks. Plan the "
+                      f"schedule for this mesh (compile_schedule(..., mesh=mesh)).")
+    if mesh.shape[name] != size:
+      found = (f"Mesh axis {name!r} has size {mesh.shape[name]}, but the schedule was planned "
+               f"with it as a replicate axis of size {size}" if role == "replicates" else
+               f"The schedule was planned for {size} devices but the mesh axis {name!r} has "
+               f"{mesh.shape[name]}")
+      raise ZjaxError(f"{found}. Plan it for this mesh (compile_schedule(..., mesh=mesh)).")
+  for name, size in mesh.shape.items():
+    if name not in sizes:
+      raise ZjaxError(f"Mesh axis {name!r} has size {size}, but the schedule does not use it "
+                      f"(it is not in ZeroConfig.shard_axes or replicate_axes). Plan the "
+                      f"schedule for this mesh (compile_schedule(..., mesh=mesh)).")
 
 
 # ---- per-bucket packing (used per device, inside shard_map) ----------------------------

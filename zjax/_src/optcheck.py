@@ -145,7 +145,7 @@ def _judge(name, entry, step, diff, pad, scale) -> str | None:
 def _comparison(optimizer, schedule, mesh, entries, judged, build):
   """One jitted program: probes -> [update, judged leaf, (max |difference|, max |padding|,
   max |natural update|)]."""
-  n, axis = schedule.num_devices, schedule.config.axis_name
+  n, axis = schedule.num_devices, layout.storage_axis(schedule.config)
 
   # Leaves change layout through their replicated form: GSPMD reshards any other way by a
   # full rematerialisation, with a warning per leaf.
@@ -190,7 +190,7 @@ def _updates(optimizer, params, grads_list):
 def _random_leaves(entries, schedule, mesh, count) -> list:
   """Natural-shape random leaves (zeros for non-float), each sharded along its largest
   divisible dimension and generated on the host one shard at a time."""
-  n, axis = schedule.num_devices, schedule.config.axis_name
+  n, axis = schedule.num_devices, layout.storage_axis(schedule.config)
   out = []
   for i, entry in enumerate(entries):
     dtype = jnp.dtype(entry.dtype)

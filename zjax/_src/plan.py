@@ -21,6 +21,9 @@
    current layer, computes, (backward: reduce-scatters the layer's gradient,) releases.
    The body gathers one iteration ahead (prefetch) when one layer's elements fit in
    `prefetch_bucket_size` and two layers fit under `max_live_parameters`.
+6. hpZ (`secondary_partition`): a bucket that backward re-gathers gets "keep_secondary"
+   right after its first forward gather and "drop_secondary" right after its last backward
+   gather (in a loop body: after the layer's gather, in both directions).
 """
 
 import dataclasses
@@ -41,7 +44,8 @@ def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
                      num_devices: int | None = None, config: ZeroConfig | None = None,
                      frozen: Any = None, extra: Any = None,
                      platform: str | None = None,
-                     replica_sizes: tuple[int, ...] | None = None) -> Schedule:
+                     replica_sizes: tuple[int, ...] | None = None,
+                     axis_sizes: dict[str, int] | None = None) -> Schedule:
   """Trace `loss_fn(params, batch)` and plan its ZeRO-3 schedule.
 
   Args:
@@ -52,9 +56,12 @@ def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
       one device's share of it (leading dimensions / N), which is what the executor runs.
       If some leading dimension does not divide by N (planning for more devices than the
       example batch has rows), the batch is traced as given.
-    mesh: the mesh to run on; N is its size along `config.axis_name`; every other axis
-      must be one of `config.replicate_axes` (HSDP: one sharded copy per replica).
-    num_devices: N, instead of a mesh (e.g. to plan for more devices than are present).
+    mesh: the mesh to run on; every axis must be one of `config.shard_axes` or
+      `config.replicate_axes` (HSDP: one sharded copy per replica).
+    num_devices: N, instead of a mesh (e.g. to plan for more devices than are present),
+      for one shard axis.
+    axis_sizes: instead of a mesh, the size of every axis the config names (e.g.
+      `{"replica": 128, "fsdp": 8}`): analytic planning for any mesh shape.
     config: the knobs; `ZeroConfig()` by default.
     frozen: parameters that are not trained: a pytree of bools shaped like params, or a
       function of a leaf's path string (e.g. `lambda path: "embed" in path`). They are
@@ -78,13 +85,12 @@ def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
   config = ZeroConfig() if config is None else config
   if not isinstance(config, ZeroConfig):
     raise TypeError(f"config must be a zjax.ZeroConfig, got {type(config).__name__}.")
-  n = _resolve_num_devices(mesh, num_devices, config.axis_name)
-  replica_sizes = _resolve_replica_sizes(mesh, config, replica_sizes)
-  trace = trace_for_schedule(loss_fn, params, batch, config, n, extra, replica_sizes)
+  sizes = resolve_axis_sizes(config, mesh, num_devices, replica_sizes, axis_sizes)
+  trace = trace_for_schedule(loss_fn, params, batch, config, sizes, extra)
   if platform is None:
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-  schedule = plan_schedule(trace, config, n, frozen=_frozen_indices(params, frozen, trace),
-                           platform=platform, replica_sizes=replica_sizes)
+  schedule = plan_schedule(trace, config, sizes, frozen=_frozen_indices(params, frozen, trace),
+                           platform=platform)
   object.__setattr__(schedule, "params_treedef", jax.tree_util.tree_structure(params))
   return schedule
 
@@ -102,16 +108,18 @@ def _frozen_indices(params, frozen, trace) -> frozenset:
   return frozenset(i for i, f in enumerate(flags) if f)
 
 
-def plan_schedule(trace: ProgramTrace, config: ZeroConfig, num_devices: int,
-                  frozen: frozenset = frozenset(), platform: str = "",
-                  replica_sizes: tuple[int, ...] = ()) -> Schedule:
-  """Plan a schedule from a traced program (see the module docstring for the steps)."""
-  replica_sizes = tuple(replica_sizes) or (1,) * len(config.replicate_axes)
-  with data_axis_bound(config, num_devices, replica_sizes):  # vjps are traced here too
-    return _plan(trace, config, num_devices, frozen, platform, replica_sizes)
+def plan_schedule(trace: ProgramTrace, config: ZeroConfig, axis_sizes: dict[str, int],
+                  frozen: frozenset = frozenset(), platform: str = "") -> Schedule:
+  """Plan a schedule from a traced program (see the module docstring for the steps);
+  `axis_sizes`: the size of every data axis (`resolve_axis_sizes`)."""
+  with data_axis_bound(axis_sizes):  # vjps are traced here too
+    return _plan(trace, config, axis_sizes, frozen, platform)
 
 
-def _plan(trace, config, num_devices, frozen, platform, replica_sizes) -> Schedule:
+def _plan(trace, config, axis_sizes, frozen, platform) -> Schedule:
+  num_devices = int(np.prod([axis_sizes[a] for a in config.storage_axes], dtype=np.int64))
+  replica_sizes = tuple(axis_sizes[a] for a in config.replicate_axes)
+  shard_sizes = tuple(axis_sizes[a] for a in config.shard_axes)
   persistent = {p.index for p in trace.params
                 if num_devices == 1 or p.size <= config.param_persistence_threshold}
   sharded = {p.index for p in trace.params if p.index not in persistent}
@@ -139,51 +147,58 @@ def _plan(trace, config, num_devices, frozen, platform, replica_sizes) -> Schedu
              if buckets[b].stacked}
   forward, backward = _StepPlanner(segments, elements, buckets, config, lengths).plan()
   return Schedule(num_devices=num_devices, platform=platform, replica_sizes=replica_sizes,
-                  config=config,
+                  shard_sizes=shard_sizes, config=config,
                   num_ops=len(trace.ops),
                   program_hash=program_hash(o.primitive for o in trace.ops), params=entries,
                   buckets=buckets, segments=segments, forward=forward, backward=backward)
 
 
-def _resolve_num_devices(mesh, num_devices, axis_name) -> int:
-  if (mesh is None) == (num_devices is None):
-    raise ValueError("Pass exactly one of mesh= (the mesh to run on) or num_devices= (N, to "
-                     "plan analytically).")
-  if mesh is not None:
-    if axis_name not in mesh.shape:
-      raise ValueError(f"The mesh has axes {tuple(mesh.shape)} but ZeroConfig.axis_name is "
-                       f"{axis_name!r}; name the sharding axis {axis_name!r} or set axis_name.")
-    return int(mesh.shape[axis_name])
-  if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
-    raise ValueError(f"num_devices must be a positive int, got {num_devices!r}.")
-  return num_devices
-
-
-def _resolve_replica_sizes(mesh, config, sizes) -> tuple[int, ...]:
-  """Sizes of the replicate axes: the mesh's (whose every axis must be the sharding axis or
-  a replicate axis), or as given for analytic planning (default 1 each)."""
-  axes = config.replicate_axes
-  if mesh is None:
-    sizes = (1,) * len(axes) if sizes is None else tuple(sizes)
-    if len(sizes) != len(axes) or any(isinstance(s, bool) or not isinstance(s, int) or s < 1
-                                      for s in sizes):
+def resolve_axis_sizes(config, mesh=None, num_devices=None, replica_sizes=None,
+                       axis_sizes=None) -> dict[str, int]:
+  """The size of every data axis (replicate axes, then shard axes), from exactly one of a
+  mesh, N (one shard axis; replica_sizes: the replicate axes', default 1) or axis_sizes."""
+  if sum(x is not None for x in (mesh, num_devices, axis_sizes)) != 1:
+    raise ValueError("Pass exactly one of mesh= (the mesh to run on), num_devices= (N, to "
+                     "plan analytically) or axis_sizes= (every axis's size, analytically).")
+  if replica_sizes is not None and num_devices is None:
+    raise ValueError("replica_sizes goes with num_devices= (analytic planning); with a mesh "
+                     "the replicate axes' sizes are the mesh's, with axis_sizes= name them.")
+  axes = config.data_axes
+  if num_devices is not None:
+    if len(config.shard_axes) > 1:
+      raise ValueError(f"num_devices= names one shard axis's size, but ZeroConfig.shard_axes "
+                       f"is {config.shard_axes}; pass axis_sizes= with every axis's size.")
+    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+      raise ValueError(f"num_devices must be a positive int, got {num_devices!r}.")
+    replica_sizes = (1,) * len(config.replicate_axes) if replica_sizes is None else \
+        tuple(replica_sizes)
+    if len(replica_sizes) != len(config.replicate_axes):
       raise ValueError(f"replica_sizes must give one positive int per replicate axis "
-                       f"{list(axes)}, got {sizes!r}.")
-    return sizes
-  if sizes is not None:
-    raise ValueError("replica_sizes is for analytic planning (num_devices=); with a mesh the "
-                     "replicate axes' sizes are the mesh's.")
-  for axis in axes:
-    if axis not in mesh.shape:
-      raise ValueError(f"ZeroConfig.replicate_axes names {axis!r}, but the mesh has axes "
-                       f"{tuple(mesh.shape)}.")
-  for axis in mesh.axis_names:
-    if axis != config.axis_name and axis not in axes:
-      raise ValueError(f"Mesh axis {axis!r} is neither the sharding axis "
-                       f"{config.axis_name!r} (ZeroConfig.axis_name) nor a replicate axis "
-                       f"(ZeroConfig.replicate_axes={axes!r}); add it to replicate_axes "
-                       f"(HSDP) or use a mesh without it.")
-  return tuple(int(mesh.shape[a]) for a in axes)
+                       f"{list(config.replicate_axes)}, got {replica_sizes!r}.")
+    axis_sizes = dict(zip(axes, (*replica_sizes, num_devices)))
+  elif mesh is not None:
+    for axis in axes:
+      if axis not in mesh.shape:
+        field = "replicate_axes" if axis in config.replicate_axes else "shard_axes/axis_name"
+        raise ValueError(f"ZeroConfig.{field} names {axis!r}, but the mesh has axes "
+                         f"{tuple(mesh.shape)}; name the mesh axis {axis!r} or change the "
+                         f"config.")
+    for axis in mesh.axis_names:
+      if axis not in axes:
+        raise ValueError(f"Mesh axis {axis!r} is neither a shard axis (ZeroConfig.shard_axes="
+                         f"{config.shard_axes!r}) nor a replicate axis (ZeroConfig."
+                         f"replicate_axes={config.replicate_axes!r}); add it to one of them "
+                         f"(replicate_axes: HSDP) or use a mesh without it.")
+    axis_sizes = {a: int(mesh.shape[a]) for a in axes}
+  else:
+    if not isinstance(axis_sizes, dict) or set(axis_sizes) != set(axes):
+      raise ValueError(f"axis_sizes must give the size of exactly the config's axes "
+                       f"{list(axes)}, got {axis_sizes!r}.")
+    axis_sizes = {a: axis_sizes[a] for a in axes}
+  for axis, size in axis_sizes.items():
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+      raise ValueError(f"The size of axis {axis!r} must be a positive int, got {size!r}.")
+  return {a: int(n) for a, n in axis_sizes.items()}
 
 
 def _group_buckets(trace, persistent, frozen, stacked
@@ -325,6 +340,11 @@ class _StepPlanner:
     bwd_live = self._place_gathers(bwd, self.loop_need[::-1])
     scatter_at = [(k - 1 - i.start, i.bucket) for i in self._reducing(instances)
                   if ir.has_gradient(self.buckets[i.bucket])]
+    # hpZ: a bucket re-gathered in backward keeps a secondary shard from its first forward
+    # gather until its last backward gather
+    self.secondary = ({iv.bucket for iv in bwd if not iv.live_at_start}
+                      if self.config.secondary_partition else set())
+    self.kept_secondary = set()
     forward = self._emit(fwd, "forward", scatter_at=[], live=fwd_live)
     backward = self._emit(bwd, "backward", scatter_at=scatter_at, live=bwd_live)
     return forward, backward
@@ -446,10 +466,14 @@ class _StepPlanner:
   def _emit(self, intervals, phase, scatter_at, live) -> tuple[ir.Step, ...]:
     """Steps in time order: gathers, the compute (or loop), reduce-scatters, releases."""
     steps = []
+    gathers_left = {b: sum(iv.bucket == b and not iv.live_at_start for iv in intervals)
+                    for b in self.secondary}
     for t in range(self.k):
       starting = sorted((iv for iv in intervals if iv.gather_at == t),
                         key=lambda iv: (iv.need > t, iv.need, iv.bucket))
-      steps += [ir.Step("gather", bucket=iv.bucket, prefetch=iv.need > t) for iv in starting]
+      for iv in starting:
+        steps.append(ir.Step("gather", bucket=iv.bucket, prefetch=iv.need > t))
+        steps += self._secondary_steps(iv.bucket, phase, gathers_left)
       steps.append(self._compute_step(t if phase == "forward" else self.k - 1 - t, phase,
                                       live[t]))
       steps += [ir.Step("reduce_scatter", bucket=b) for when, b in sorted(scatter_at)
@@ -457,6 +481,19 @@ class _StepPlanner:
       ending = sorted(iv.bucket for iv in intervals if iv.end == t and not iv.kept)
       steps += [ir.Step("release", bucket=b) for b in ending]
     return tuple(steps)
+
+  def _secondary_steps(self, b, phase, gathers_left) -> list[ir.Step]:
+    """hpZ: keep the secondary after the first forward gather, drop it after the last
+    backward one (`gathers_left`: bucket -> backward gathers still to come)."""
+    if b not in gathers_left:
+      return []
+    if phase == "forward":
+      if b in self.kept_secondary:
+        return []
+      self.kept_secondary.add(b)
+      return [ir.Step("keep_secondary", bucket=b)]
+    gathers_left[b] -= 1
+    return [ir.Step("drop_secondary", bucket=b)] if gathers_left[b] == 0 else []
 
   def _compute_step(self, k: int, phase: str, live: int) -> ir.Step:
     """compute k, or for a loop segment the loop step with its per-iteration body."""
@@ -467,6 +504,9 @@ class _StepPlanner:
     prefetch = (self.lengths[stacked[0]] > 1 and need <= self.config.prefetch_bucket_size
                 and live + need <= self.config.max_live_parameters)
     body = [ir.Step("gather", bucket=b, prefetch=prefetch) for b in stacked]
+    if self.config.secondary_partition:  # hpZ: every layer's secondary, kept until backward
+      op = "keep_secondary" if phase == "forward" else "drop_secondary"
+      body += [ir.Step(op, bucket=b) for b in stacked]
     body.append(ir.Step("compute", segment=k))
     if phase == "backward":
       body += [ir.Step("reduce_scatter", bucket=b) for b in stacked

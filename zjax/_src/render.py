@@ -15,8 +15,7 @@ def format_bytes(n: int) -> str:
 
 def render_schedule(s, sim) -> str:
   """The steps as a table: step, phase, op, bucket, what, bytes, live bytes after the step."""
-  copies = (f" x {s.replicas} replicas over {', '.join(s.config.replicate_axes)} (HSDP)"
-            if s.replicas > 1 else "")
+  copies = _layout_words(s)
   head = (f"zjax schedule v{ir.FORMAT_VERSION}: {s.num_devices} device(s){copies}, "
           f"{len(s.params)} "
           f"params ({sum(p.persistent for p in s.params)} persistent), {len(s.buckets)} "
@@ -29,7 +28,33 @@ def render_schedule(s, sim) -> str:
         rows += _loop_rows(s, sim, phase, i, step, live_after)
       else:
         rows.append(_step_row(s, sim, phase, i, step, live_after))
-  return head + "\n" + _table(rows)
+  if len(s.config.data_axes) > 1:  # name the axes each collective spans
+    rows = [r[:3] + (_axes_cell(s, r), *r[3:]) for r in rows]
+    rows[0] = rows[0][:3] + ("axes",) + rows[0][4:]
+  return head + "\n" + table(rows)
+
+
+def _layout_words(s) -> str:
+  """How the devices are used, for the header (nothing to add on a one-axis mesh)."""
+  sizes = "x".join(str(n) for n in s.axis_sizes.values())
+  axes = ",".join(s.config.data_axes)
+  if s.config.secondary_partition:
+    return (f" ({sizes} over {axes}), hpZ: forward over every axis, backward re-gathers "
+            f"from a secondary 1/{s.shards} shard over {','.join(s.config.shard_axes)}")
+  if s.replicas > 1 or s.config.replicate_axes:
+    return f" x {s.replicas} replicas over {', '.join(s.config.replicate_axes)} (HSDP)"
+  return f" ({sizes} over {axes})" if len(s.config.shard_axes) > 1 else ""
+
+
+def _axes_cell(s, row) -> str:
+  op, phase = row[2].strip(), "backward" if row[1] == "bwd" else "forward"
+  if op.startswith(("gather", "re-gather", "next layer")):
+    op = "gather"
+  info = ir.collective_axes(op, phase, s.config)
+  if not info:
+    return ""
+  cell = ir.axes_key(info["axes"])
+  return cell + (f", mean over {ir.axes_key(info['mean_over'])}" if "mean_over" in info else "")
 
 
 def _loop_rows(s, sim, phase, i, step, live_after):
@@ -54,11 +79,13 @@ def _step_row(s, sim, phase, i, step, live_after):
             format_bytes(live_after) if live_after is not None else "")
   bucket = s.buckets[step.bucket]
   names = ",".join(leaf_name(p) for p in bucket.params)
-  op = step.op
+  op, size = step.op, sim.bucket_bytes[step.bucket]
   if step.op == "gather":
     op = ("re-gather" if phase == "bwd" else "gather") + (" (prefetch)" if step.prefetch else "")
+  elif step.op in ("keep_secondary", "drop_secondary"):  # hpZ: 1/S of the gathered bucket
+    op, size = op.replace("_", " "), size // s.shards
   return (str(i), phase, op, str(step.bucket), f"{bucket.module or '<root>'} [{names}]",
-          format_bytes(sim.bucket_bytes[step.bucket]),
+          format_bytes(size),
           format_bytes(live_after) if live_after is not None else "")
 
 
@@ -75,7 +102,7 @@ def render_param_table(trace, s) -> str:
     notes = _notes(p) + ("; frozen" if entry.frozen else "")
     rows.append((p.path, str(list(p.shape)), p.dtype.name, layout,
                  "" if entry.bucket is None else str(entry.bucket), uses, notes.lstrip("; ")))
-  return _table(rows)
+  return table(rows)
 
 
 def _notes(p) -> str:
@@ -121,7 +148,7 @@ def leaf_name(path: str) -> str:
   return keys[-1] if keys else path
 
 
-def _table(rows) -> str:
+def table(rows) -> str:
   widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
   widths[-1] = 0  # no padding on the last column
   lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]

@@ -18,6 +18,11 @@ def make_report(s, sim) -> dict:
   scatters = [st for st in backward if st.op == "reduce_scatter"]
   persistent = [p for p in s.params if p.persistent]
   scatter_bytes = sum(grad_bytes[st.bucket] for st in scatters)
+  replica_bytes = scatter_bytes // s.num_devices if s.config.averaged_axes else 0
+  persistent_bytes = sum(p.size * ir.reduce_wire_dtype(p.dtype, s.config, s.platform).itemsize
+                         for p in persistent if ir.has_gradient(p))
+  gather_axes = {phase: ir.axes_key(ir.collective_axes("gather", phase, s.config)["axes"])
+                 for phase in ("forward", "backward")}
   return {
       "num_devices": s.num_devices,
       "num_params": len(s.params),
@@ -34,13 +39,26 @@ def make_report(s, sim) -> dict:
       "reduce_scatter_count": len(scatters),
       "reduce_scatter_bytes": scatter_bytes,
       "replicas": s.replicas,
+      "axis_sizes": s.axis_sizes,
       # HSDP: each reduce-scattered gradient shard (1/N of the bucket) is then all-reduced
       # over the replicate axes (XLA may combine those all-reduces: bytes, not count, are
       # what to compare)
-      "replica_all_reduce_bytes": scatter_bytes // s.num_devices if s.replicas > 1 else 0,
-      "persistent_grad_all_reduce_bytes": sum(
-          p.size * ir.reduce_wire_dtype(p.dtype, s.config, s.platform).itemsize
-          for p in persistent if ir.has_gradient(p)),
+      "replica_all_reduce_bytes": replica_bytes,
+      "persistent_grad_all_reduce_bytes": persistent_bytes,
+      # the same bytes by the mesh axes each collective spans ("replica+fsdp": both); the
+      # loss's scalar all-reduce over every data axis is not counted
+      "all_gather_bytes_by_axis": _by_axis(
+          [(gather_axes["forward"], bucket_bytes[st.bucket]) for st in forward
+           if st.op == "gather"] +
+          [(gather_axes["backward"], bucket_bytes[st.bucket]) for st in backward
+           if st.op == "gather"]),
+      "reduce_scatter_bytes_by_axis": _by_axis(
+          [(ir.axes_key(s.config.storage_axes), scatter_bytes)]),
+      "all_reduce_bytes_by_axis": _by_axis(
+          [(ir.axes_key(s.config.averaged_axes), replica_bytes),
+           (ir.axes_key(s.config.data_axes), persistent_bytes if s.data_parallel_size > 1
+            else 0)]),
+      "secondary_bytes": sim.peak_secondary_bytes,
       "peak_live_param_bytes": max(sim.forward_live + sim.backward_live, default=0),
       "peak_live_grad_bytes": max(sim.backward_grad_live, default=0),
       "state_bytes_per_device": state_bytes_per_device(s),
@@ -48,6 +66,15 @@ def make_report(s, sim) -> dict:
                 for phase, steps in (("forward", s.forward), ("backward", s.backward))
                 for st in steps if st.op == ir.LOOP_OP],
   }
+
+
+def _by_axis(pairs) -> dict[str, int]:
+  """(axes key, bytes) pairs -> bytes per key, zero entries left out."""
+  out = {}
+  for key, n in pairs:
+    if n:
+      out[key] = out.get(key, 0) + n
+  return out
 
 
 def executed_steps(steps) -> list:

@@ -47,13 +47,21 @@ class Schedule:
   # The backend the report predicts for ("cpu", "gpu", "tpu"; "" = unspecified): it decides
   # the dtype 16-bit gradients are reduced in (ir.reduce_wire_dtype).
   platform: str = ""
-  # Sizes of config.replicate_axes (HSDP): each of their prod() groups of `num_devices`
-  # devices along the sharding axis holds one sharded copy.
+  # Sizes of config.replicate_axes (HSDP, hpZ): R = their product copies of the parameters
+  # (HSDP) or groups holding a secondary partition each (hpZ).
   replica_sizes: tuple[int, ...] = ()
+  # Sizes of config.shard_axes (S = their product); num_devices is the product of the
+  # storage axes' sizes: S, or R*S with hpZ. Default: (num_devices,) for one shard axis.
+  shard_sizes: tuple[int, ...] = ()
   # The params' pytree structure, known when compiled in this process (not saved in JSON).
   params_treedef = None
 
   def __post_init__(self):
+    if not self.shard_sizes and len(self.config.shard_axes) == 1:
+      shards = self.num_devices
+      if self.config.secondary_partition and isinstance(shards, int) and self.replicas:
+        shards //= self.replicas
+      object.__setattr__(self, "shard_sizes", (shards,))
     expected = model_fingerprint(self.params, self.num_ops, self.program_hash)
     if not self.fingerprint:
       object.__setattr__(self, "fingerprint", expected)
@@ -79,9 +87,19 @@ class Schedule:
     return int(np.prod(self.replica_sizes, dtype=np.int64))
 
   @property
+  def shards(self) -> int:
+    """S: devices along the shard axes (one sharded copy, or one secondary partition)."""
+    return int(np.prod(self.shard_sizes, dtype=np.int64))
+
+  @property
   def data_parallel_size(self) -> int:
-    """Devices the batch is split over: R x N."""
-    return self.replicas * self.num_devices
+    """Devices the batch is split over: R x S."""
+    return self.replicas * self.shards
+
+  @property
+  def axis_sizes(self) -> dict[str, int]:
+    """Size of every data axis, replicate axes first (the row-major device order)."""
+    return dict(zip(self.config.data_axes, (*self.replica_sizes, *self.shard_sizes)))
 
   def report(self) -> dict:
     """Predicted per-device numbers for one training step, JSON-serialisable."""
@@ -107,13 +125,14 @@ class Schedule:
         "num_devices": self.num_devices,
         "platform": self.platform,
         "replica_sizes": list(self.replica_sizes),
+        "shard_sizes": list(self.shard_sizes),
         "config": self.config.to_dict(),
         "program": {"num_ops": self.num_ops, "hash": self.program_hash},
         "params": [dataclasses.asdict(p) for p in self.params],
         "buckets": [dataclasses.asdict(b) for b in self.buckets],
         "segments": [dataclasses.asdict(s) for s in self.segments],
-        "forward": [s.to_dict() for s in self.forward],
-        "backward": [s.to_dict() for s in self.backward],
+        "forward": [s.to_dict_with_axes("forward", self.config) for s in self.forward],
+        "backward": [s.to_dict_with_axes("backward", self.config) for s in self.backward],
     }
 
   def to_json(self) -> str:
@@ -165,8 +184,7 @@ class Schedule:
 
     Compares parameter paths, shapes, dtypes and the use order of a fresh trace.
     """
-    trace = trace_for_schedule(loss_fn, params, batch, self.config, self.num_devices, extra,
-                               replica_sizes=self.replica_sizes)
+    trace = trace_for_schedule(loss_fn, params, batch, self.config, self.axis_sizes, extra)
     theirs = {p.path: p for p in self.params}
     for p in trace.params:
       mine = theirs.get(p.path)
@@ -253,14 +271,17 @@ def _parse(data) -> dict:
       platform=_optional(data, "platform", str, "top level", ""),
       replica_sizes=tuple(_int_list(data, "replica_sizes", "top level")
                           if "replica_sizes" in data else ()),
+      shard_sizes=tuple(_int_list(data, "shard_sizes", "top level")
+                        if "shard_sizes" in data else ()),
       config=config,
       num_ops=_field(program, "num_ops", int, "'program'"),
       program_hash=_field(program, "hash", str, "'program'"),
       params=tuple(_parse_param(p, i) for i, p in enumerate(_items(data, "params"))),
       buckets=tuple(_parse_bucket(b, i) for i, b in enumerate(_items(data, "buckets"))),
       segments=tuple(_parse_segment(s, i) for i, s in enumerate(_items(data, "segments"))),
-      forward=tuple(_parse_step(s, i, "forward") for i, s in enumerate(_items(data, "forward"))),
-      backward=tuple(_parse_step(s, i, "backward")
+      forward=tuple(_parse_step(s, i, "forward", config)
+                    for i, s in enumerate(_items(data, "forward"))),
+      backward=tuple(_parse_step(s, i, "backward", config)
                      for i, s in enumerate(_items(data, "backward"))),
   )
 
@@ -297,7 +318,7 @@ def _parse_segment(s, i) -> ir.Segment:
                     label=_field(s, "label", str, where))
 
 
-def _parse_step(s, i, phase, in_loop=False) -> ir.Step:
+def _parse_step(s, i, phase, config, in_loop=False) -> ir.Step:
   where = f"{phase} step {i}"
   _expect(isinstance(s, dict), f"{where} must be an object")
   op = _field(s, "op", str, where)
@@ -305,8 +326,15 @@ def _parse_step(s, i, phase, in_loop=False) -> ir.Step:
     body = _field(s, "body", list, where)
     return ir.Step(ir.LOOP_OP, segment=_field(s, "segment", int, where),
                    length=_field(s, "length", int, where),
-                   body=tuple(_parse_step(b, j, f"{where} body", True)
+                   body=tuple(_parse_step(b, j, f"{phase} step {i} body", config, True)
                               for j, b in enumerate(body)))
+  # the axes a collective spans follow from the config; a file that says otherwise was
+  # edited (or made for another mesh layout)
+  for key, expected in ir.collective_axes(op, phase.split()[0], config).items():
+    if key in s:
+      _expect(s[key] == expected, f"{where}: {op} runs over {key} {expected} under this "
+              f"config (shard_axes, replicate_axes, secondary_partition), not {s[key]}; "
+              f"change the config, not the step")
   _expect(op != ir.LOOP_OP, f"{where}: loops do not nest (a loop step inside a loop body)")
   if op == "compute":
     return ir.Step("compute", segment=_field(s, "segment", int, where))

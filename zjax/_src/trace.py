@@ -131,32 +131,31 @@ def without_dead_code(closed: jex.ClosedJaxpr) -> jex.ClosedJaxpr:
 
 
 @contextlib.contextmanager
-def data_axis_bound(config, num_devices: int, replica_sizes=()):
-  """Trace as inside the executor's shard_map: the data axes (`config.axis_name`, size N,
-  and any replicate axes) are bound, so that a loss may use lax.psum / pmean / axis_index
-  over them (sync BatchNorm)."""
-  sizes = list(zip(config.replicate_axes, replica_sizes)) + [(config.axis_name, num_devices)]
-  with jax_core.extend_axis_env_nd(sizes):
+def data_axis_bound(axis_sizes: dict[str, int]):
+  """Trace as inside the executor's shard_map: the data axes (name -> size) are bound, so
+  that a loss may use lax.psum / pmean / axis_index over them (sync BatchNorm)."""
+  with jax_core.extend_axis_env_nd(list(axis_sizes.items())):
     yield
 
 
-def trace_for_schedule(loss_fn, params, batch, config, num_devices: int, extra=None,
-                       replica_sizes=()):
+def trace_for_schedule(loss_fn, params, batch, config, axis_sizes: dict[str, int],
+                       extra=None):
   """Trace as the executor runs: on one device's share of the batch, with the data axes
-  bound and floating-point parameters in the compute dtype. The table keeps each
-  parameter's own (storage) dtype."""
+  (`axis_sizes`: name -> size) bound and floating-point parameters in the compute dtype.
+  The table keeps each parameter's own (storage) dtype."""
   as_computed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
       np.shape(x), ir.gather_dtype(x.dtype, config.compute_dtype)), params)
-  share = num_devices * int(np.prod(replica_sizes, dtype=np.int64))
-  with data_axis_bound(config, num_devices, replica_sizes):
+  share = int(np.prod(list(axis_sizes.values()), dtype=np.int64))
+  with data_axis_bound(axis_sizes):
     try:
       trace = trace_program(loss_fn, as_computed, per_device_batch(batch, share), extra)
     except _UnboundAxisError as e:
-      raise TraceError(f"{e} zjax binds one axis, its data axis {config.axis_name!r} "
-                       f"(ZeroConfig.axis_name), over which it splits the batch: name the "
-                       f"model's axis {config.axis_name!r} (e.g. nn.BatchNorm(axis_name="
-                       f"{config.axis_name!r})), or set ZeroConfig(axis_name="
-                       f"{e.axis!r}) and name the mesh axis {e.axis!r}.") from None
+      axes = tuple(axis_sizes)
+      raise TraceError(f"{e} zjax binds the data axes {axes} (ZeroConfig.shard_axes / "
+                       f"axis_name and replicate_axes), over which it splits the batch: name "
+                       f"the model's axis {axes[-1]!r} (e.g. nn.BatchNorm(axis_name="
+                       f"{axes[-1]!r})), or set ZeroConfig(axis_name={e.axis!r}) and name "
+                       f"the mesh axis {e.axis!r}.") from None
   stored = [np.dtype(x.dtype) for x in jax.tree.leaves(params)]
   return dataclasses.replace(trace, params=tuple(
       dataclasses.replace(p, dtype=d) for p, d in zip(trace.params, stored)))

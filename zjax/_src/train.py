@@ -245,7 +245,7 @@ def _laid_out(leaf, entry, schedule, mesh):
   if n > 1 and entry.shape and not entry.stacked and (entry.size % n or entry.shape[0] % n):
     auto = jax.sharding.Mesh(mesh.devices, mesh.axis_names,
                              axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
-    for spec in (P(schedule.config.axis_name), P()):
+    for spec in (P(layout.storage_axis(schedule.config)), P()):
       leaf = lax.with_sharding_constraint(leaf, jax.sharding.NamedSharding(auto, spec))
   return layout.storage_from_natural(leaf, entry, n)
 

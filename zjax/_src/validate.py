@@ -18,6 +18,7 @@ class Simulation:
   backward_grad_live: tuple[int, ...]
   bucket_bytes: tuple[int, ...]  # gathered bytes of each bucket (compute dtype, padded)
   bucket_grad_bytes: tuple[int, ...]  # its full gradient's bytes (reduce dtype, padded)
+  peak_secondary_bytes: int = 0  # hpZ: secondary shards held at once (all layers of a loop)
 
 
 def validate_schedule(s) -> Simulation:
@@ -36,11 +37,19 @@ def describe_bucket(s, bucket_id: int) -> str:
 def _check_params(s):
   if not isinstance(s.num_devices, int) or s.num_devices < 1:
     raise ScheduleError(f"num_devices must be a positive integer, got {s.num_devices!r}.")
-  axes = s.config.replicate_axes
-  if len(s.replica_sizes) != len(axes) or any(
-      not isinstance(r, int) or r < 1 for r in s.replica_sizes):
-    raise ScheduleError(f"replica_sizes {list(s.replica_sizes)} must give one positive size "
-                        f"per replicate axis {list(axes)}.")
+  for field, axes in (("replica_sizes", s.config.replicate_axes),
+                      ("shard_sizes", s.config.shard_axes)):
+    sizes = getattr(s, field)
+    if len(sizes) != len(axes) or any(not isinstance(r, int) or r < 1 for r in sizes):
+      raise ScheduleError(f"{field} {list(sizes)} must give one positive size per axis of "
+                          f"{list(axes)}.")
+  storage = 1
+  for axis in s.config.storage_axes:
+    storage *= s.axis_sizes[axis]
+  if storage != s.num_devices:
+    raise ScheduleError(f"num_devices is {s.num_devices}, but the storage axes "
+                        f"{list(s.config.storage_axes)} have {storage} devices "
+                        f"(axis sizes {s.axis_sizes}).")
   seen = set()
   for p in s.params:
     if p.path in seen:
@@ -150,6 +159,8 @@ class _Simulator:
                        for n, b in zip(self.elements, s.buckets)]
     self.cap = s.config.max_live_parameters
     self.in_loop = False
+    self.secondary: dict[int, int] = {}  # hpZ: bucket -> bytes of its kept secondary shards
+    self.peak_secondary = 0
 
   def run(self) -> Simulation:
     forward_live = self._run_phase("forward", self.s.forward, range(len(self.s.segments)))
@@ -158,7 +169,7 @@ class _Simulator:
     backward_live = self._run_phase("backward", self.s.backward, order, grad_live)
     self._check_end()
     return Simulation(tuple(forward_live), tuple(backward_live), tuple(grad_live),
-                      tuple(self.bytes), tuple(self.grad_bytes))
+                      tuple(self.bytes), tuple(self.grad_bytes), self.peak_secondary)
 
   def _run_phase(self, phase, steps, segment_order, grad_live=None):
     expected = list(segment_order)
@@ -233,7 +244,10 @@ class _Simulator:
     return peak
 
   def _loop_body_ops(self, stacked, k, phase) -> list[tuple[str, int]]:
-    ops = [("gather", b) for b in stacked] + [("compute", k)]
+    ops = [("gather", b) for b in stacked]
+    if self.s.config.secondary_partition:
+      ops += [("keep_secondary" if phase == "forward" else "drop_secondary", b) for b in stacked]
+    ops += [("compute", k)]
     if phase == "backward":
       ops += [("reduce_scatter", b) for b in stacked if ir.has_gradient(self.s.buckets[b])]
     return ops + [("release", b) for b in stacked]
@@ -275,6 +289,10 @@ class _Simulator:
     if b in self.live:
       raise ScheduleError(f"{where}: gathers {describe_bucket(self.s, b)}, which is already "
                           f"gathered (at {self.live[b]}). Remove one of the two gathers.")
+    if phase == "backward" and self.s.config.secondary_partition and b not in self.secondary:
+      raise ScheduleError(f"{where}: re-gathers {describe_bucket(self.s, b)} in backward, "
+                          f"which under hpZ (secondary_partition) reads its secondary shard, "
+                          f"but none is kept: add keep_secondary after its forward gather.")
     self.live[b] = where
     if phase == "forward":
       self.forward_gathers[b] += 1
@@ -283,6 +301,31 @@ class _Simulator:
       raise ScheduleError(f"{where}: gathering {describe_bucket(self.s, b)} makes "
                           f"{live_elements} parameter elements live, above max_live_parameters="
                           f"{self.cap}. Release something first or raise the cap.")
+
+  def _secondary_bytes(self, b) -> int:
+    """One gather's bytes over S (its rows on this device's shard position), times the
+    layers for a stacked bucket (the loop keeps every layer's)."""
+    layers = self.s.param(self.s.buckets[b].params[0]).shape[0] if self.s.buckets[b].stacked \
+        else 1
+    return layers * (self.bytes[b] // self.s.shards)
+
+  def _keep_secondary(self, b, phase, where):
+    if not self.s.config.secondary_partition:
+      raise ScheduleError(f"{where}: keep_secondary of {describe_bucket(self.s, b)}, but the "
+                          f"config has no secondary partition (secondary_partition=False).")
+    if b not in self.live or b in self.secondary:
+      state = "already kept" if b in self.secondary else "not gathered"
+      raise ScheduleError(f"{where}: keep_secondary of {describe_bucket(self.s, b)} must "
+                          f"directly follow its first forward gather (it slices that gather's "
+                          f"result); it is {state}.")
+    self.secondary[b] = self._secondary_bytes(b)
+    self.peak_secondary = max(self.peak_secondary, sum(self.secondary.values()))
+
+  def _drop_secondary(self, b, phase, where):
+    if b not in self.secondary:
+      raise ScheduleError(f"{where}: drop_secondary of {describe_bucket(self.s, b)}, which "
+                          f"holds no secondary shard.")
+    del self.secondary[b]
 
   def _release(self, b, phase, where):
     if b not in self.live:
@@ -309,6 +352,11 @@ class _Simulator:
       raise ScheduleError(f"The gradient of {describe_bucket(self.s, b)} is never "
                           f"reduce-scattered after its last backward use; add a "
                           f"reduce_scatter step.")
+    if self.secondary:
+      b = min(self.secondary)
+      raise ScheduleError(f"The secondary shard of {describe_bucket(self.s, b)} is still kept "
+                          f"at the end of the backward steps; drop_secondary after its last "
+                          f"backward gather.")
     if self.live:
       b = min(self.live)
       raise ScheduleError(f"{describe_bucket(self.s, b)} is still gathered at the end of the "

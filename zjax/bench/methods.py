@@ -7,6 +7,10 @@ optax adamw update) on the same mesh and batch:
                  divisible by N, the batch sharded, jax.jit(value_and_grad + optax); XLA
                  inserts the collectives
   data_parallel  parameters and optimizer state replicated, the batch sharded
+On a 2 x N/2 mesh ("replica", "fsdp"; the batch split over both):
+  zjax_hsdp      zjax, parameters sharded over "fsdp", replicated over "replica" (HSDP)
+  zjax_hpz       zjax hpZ: storage over both axes, backward re-gathers within "fsdp"
+  gspmd_hsdp     GSPMD with parameters sharded over "fsdp" only (the fair HSDP baseline)
 """
 
 import dataclasses
@@ -51,14 +55,18 @@ def zjax_method(name, loss_fn, params, batch, mesh, config, optimizer) -> Method
 
 
 def gspmd_method(name, loss_fn, params, batch, mesh, optimizer, shard_params) -> Method:
+  """GSPMD: parameters sharded over the mesh's last axis (or replicated), the batch over
+  every axis."""
   start = time.perf_counter()
-  axis, n = mesh.axis_names[0], mesh.devices.size
+  axis, n = mesh.axis_names[-1], mesh.shape[mesh.axis_names[-1]]
+  batch_axes = mesh.axis_names if len(mesh.axis_names) > 1 else axis
   spec = (lambda x: layout.largest_dim_spec(x.shape, n, axis)) if shard_params else \
       (lambda x: P())
   placed = jax.tree.map(  # copies: the step donates them, the caller's params must survive
       lambda x: jax.device_put(jnp.array(x, copy=True), NamedSharding(mesh, spec(x))), params)
   placed_batch = jax.tree.map(
-      lambda x: jax.device_put(x, NamedSharding(mesh, P(axis) if x.ndim else P())), batch)
+      lambda x: jax.device_put(x, NamedSharding(mesh, P(batch_axes) if x.ndim else P())),
+      batch)
   opt_state = optimizer.init(placed)  # eager: each moment keeps its parameter's sharding
   mesh_devices = set(mesh.devices.flat)
   opt_state = jax.tree.map(  # scalars (step counts) made on one device: replicate them

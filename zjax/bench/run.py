@@ -78,7 +78,7 @@ def target_model(spec: str) -> Model:
                jax.tree.map(concrete, target.batch), target.config or zjax.ZeroConfig())
 
 
-def build_methods(model: Model, mesh, optimizer, scanned=True) -> list:
+def build_methods(model: Model, mesh, optimizer, scanned=True, hybrid=False) -> list:
   methods = [("zjax", lambda: zjax_method("zjax", model.loss_fn, model.params, model.batch,
                                           mesh, model.config, optimizer))]
   if scanned and model.scanned is not None:
@@ -90,13 +90,25 @@ def build_methods(model: Model, mesh, optimizer, scanned=True) -> list:
                                           model.batch, mesh, optimizer, True)),
       ("data_parallel", lambda: gspmd_method("data_parallel", model.loss_fn, model.params,
                                              model.batch, mesh, optimizer, False))]
+  n = mesh.devices.size
+  if hybrid and n >= 4 and n % 2 == 0:  # a 2 x N/2 mesh of the same devices
+    mesh2d = jax.make_mesh((2, n // 2), ("replica", "fsdp"), devices=list(mesh.devices.flat),
+                           axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    hsdp = dataclasses.replace(model.config, shard_axes=("fsdp",), replicate_axes=("replica",))
+    hpz = dataclasses.replace(hsdp, secondary_partition=True)
+    methods += [
+        (name, lambda name=name, config=config: zjax_method(
+            name, model.loss_fn, model.params, model.batch, mesh2d, config, optimizer))
+        for name, config in (("zjax_hsdp", hsdp), ("zjax_hpz", hpz))]
+    methods.append(("gspmd_hsdp", lambda: gspmd_method(
+        "gspmd_hsdp", model.loss_fn, model.params, model.batch, mesh2d, optimizer, True)))
   return [make() for _, make in methods]
 
 
 def compare(model: Model, mesh, rounds: int, steps_per_round: int) -> list[dict]:
   """The side-by-side table: one row per method."""
   optimizer = optax.adamw(1e-3)
-  built = build_methods(model, mesh, optimizer)
+  built = build_methods(model, mesh, optimizer, hybrid=True)
   times = _interleaved_times(built, rounds, steps_per_round)
   psi = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(model.params))
   itemsize = jax.tree.leaves(model.params)[0].dtype.itemsize
@@ -110,7 +122,7 @@ def compare(model: Model, mesh, rounds: int, steps_per_round: int) -> list[dict]
     row["comm_vs_3psi"] = (row["all_gather_bytes"] + row["reduce_scatter_bytes"] +
                            row["all_reduce_bytes"]) / (3 * psi * itemsize)
     if method.schedule is not None:
-      row.update(_predicted(method.schedule, n))
+      row.update(_predicted(method.schedule))
       row["state_vs_floor_plus_persistent"] = \
           row["state_bytes"] / row["state_floor_plus_persistent_bytes"]
     rows.append(row)
@@ -133,8 +145,10 @@ def _measured(method) -> dict:
   return row
 
 
-def _predicted(schedule, n) -> dict:
-  report = schedule.report()
+def _predicted(schedule) -> dict:
+  """The report's figures, and the state floor of the schedule's layout: 1/N of each sharded
+  parameter with N its storage devices (HSDP: the shard group; hpZ, flat: all)."""
+  report, n = schedule.report(), schedule.num_devices
   state_floor = sum(
       ADAM_BYTES_PER_PARAM_BYTE * (p.size if p.persistent else p.size / n) *
       jnp.dtype(p.dtype).itemsize for p in schedule.params)

@@ -7,9 +7,9 @@ import time
 
 import jax
 
-from zjax._src import render
+from zjax._src import comm_model, render
 from zjax._src.config import ZeroConfig
-from zjax._src.plan import plan_schedule
+from zjax._src.plan import plan_schedule, resolve_axis_sizes
 from zjax._src.trace import trace_for_schedule
 from zjax.cli.target import load_target
 
@@ -27,6 +27,22 @@ def add_parser(subparsers) -> None:
   p.add_argument("target", help="PATH.py:FUNCTION or MODULE:FUNCTION (see above)")
   p.add_argument("--devices", type=int, default=None,
                  help="number of devices N to plan for (default: devices present)")
+  p.add_argument("--mesh", default=None, metavar="SIZES",
+                 help="plan for a mesh of these axis sizes instead, e.g. 128x8 (with --axes; "
+                      "the last axis is the node): prints the chosen --layout's schedule, "
+                      "then flat ZeRO-3, HSDP and hpZ side by side with their predicted "
+                      "communication time per step")
+  p.add_argument("--axes", default=None, metavar="NAMES",
+                 help="the mesh axes' names, e.g. replica,fsdp (default: replica,fsdp for "
+                      "two axes)")
+  p.add_argument("--layout", default="hsdp", choices=tuple(_LAYOUTS),
+                 help="with --mesh: which layout's schedule and report to print (default "
+                      "hsdp)")
+  p.add_argument("--link", action="append", default=[], metavar="AXIS=GBPS,US",
+                 help="with --mesh: an axis's per-device bandwidth in GB/s and latency per "
+                      "ring step in microseconds, e.g. replica=50,10 (repeatable; default: "
+                      "last axis 900 GB/s 3 us (NVLink), others 50 GB/s 10 us (one 400 Gb/s "
+                      "NIC per GPU))")
   p.add_argument("--platform", default=None, choices=("cpu", "gpu", "tpu"),
                  help="backend whose compiled program the report predicts (default: this "
                       "machine's); on cpu, 16-bit gradients are reduced in float32")
@@ -44,13 +60,13 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
   target = load_target(args.target)
   config = _config(target.config, args)
-  devices = jax.device_count() if args.devices is None else args.devices
-  if devices < 1:
-    raise ValueError(f"--devices must be >= 1, got {devices}.")
+  platform = args.platform or jax.default_backend()
+  sizes, layouts = _mesh(args, config)
+  if layouts:
+    config = layouts[_LAYOUTS[args.layout]] if len(layouts) > 1 else layouts["flat ZeRO-3"]
   start = time.perf_counter()
-  trace = trace_for_schedule(target.loss_fn, target.params, target.batch, config, devices)
-  schedule = plan_schedule(trace, config, devices,
-                           platform=args.platform or jax.default_backend())
+  trace = trace_for_schedule(target.loss_fn, target.params, target.batch, config, sizes)
+  schedule = plan_schedule(trace, config, sizes, platform=platform)
   seconds = time.perf_counter() - start
   report = schedule.report()
   if not args.summary:
@@ -58,6 +74,10 @@ def run(args: argparse.Namespace) -> int:
     print(schedule, end="\n\n")
   print(_format_report(report))
   print(f"trace + plan: {seconds:.2f} s")
+  if layouts:
+    links = _links(args.link, sizes)
+    print()
+    print(format_comparison(comm_model.compare(trace, config, sizes, links, platform), links))
   if args.save:
     schedule.save(args.save)
     print(f"schedule written to {args.save}")
@@ -66,6 +86,81 @@ def run(args: argparse.Namespace) -> int:
       json.dump({"report": report, "schedule": schedule.to_dict()}, f, indent=1)
     print(f"report + schedule written to {args.json}")
   return 0
+
+
+_LAYOUTS = {"flat": "flat ZeRO-3", "hsdp": "HSDP", "hpz": "hpZ"}
+
+
+def _mesh(args, config) -> tuple[dict[str, int], dict]:
+  """(axis sizes to plan for, the comparison's layouts or {} without --mesh)."""
+  if args.mesh is None:
+    if args.axes or args.link:
+      raise ValueError("--axes and --link go with --mesh (e.g. --mesh 128x8 --axes "
+                       "replica,fsdp).")
+    devices = jax.device_count() if args.devices is None else args.devices
+    if devices < 1:
+      raise ValueError(f"--devices must be >= 1, got {devices}.")
+    if len(config.data_axes) > 1:
+      raise ValueError(f"The target's config spans the axes {config.data_axes}; give their "
+                       f"sizes with --mesh (e.g. --mesh 2x4 --axes "
+                       f"{','.join(config.data_axes)}).")
+    return resolve_axis_sizes(config, num_devices=devices), {}
+  if args.devices is not None:
+    raise ValueError("Pass --devices or --mesh, not both.")
+  try:
+    dims = [int(d) for d in args.mesh.lower().split("x")]
+  except ValueError:
+    dims = []
+  if not dims or any(d < 1 for d in dims):
+    raise ValueError(f"--mesh must be positive axis sizes joined by 'x' (e.g. 128x8), got "
+                     f"{args.mesh!r}.")
+  default_axes = ("replica", "fsdp") if len(dims) == 2 else tuple(f"axis{i}" for i in
+                                                                   range(len(dims)))
+  axes = tuple(args.axes.split(",")) if args.axes else default_axes
+  if len(axes) != len(dims) or len(set(axes)) != len(axes) or not all(axes):
+    raise ValueError(f"--axes must name each of the {len(dims)} mesh axes once (e.g. "
+                     f"{','.join(default_axes)}), got {args.axes!r}.")
+  sizes = dict(zip(axes, dims))
+  return sizes, comm_model.layouts(config, axes)
+
+
+def _links(specs, sizes) -> dict:
+  links = comm_model.default_links(sizes)
+  for spec in specs:
+    axis, _, values = spec.partition("=")
+    parts = values.split(",")
+    if axis not in sizes or len(parts) != 2:
+      raise ValueError(f"--link {spec!r} must be AXIS=GBPS,US with AXIS one of {list(sizes)}, "
+                       f"e.g. {list(sizes)[0]}=50,10.")
+    try:
+      bandwidth, latency = float(parts[0]) * comm_model.GB, float(parts[1]) * 1e-6
+    except ValueError:
+      raise ValueError(f"--link {spec!r}: bandwidth (GB/s) and latency (us) must be "
+                       f"numbers.") from None
+    links[axis] = comm_model.Link(bandwidth, latency)
+  return links
+
+
+def format_comparison(rows, links) -> str:
+  """The layouts side by side: state per device, bytes and time per axis group, total."""
+  keys = sorted({k for r in rows for k in r["by_axis"]}, key=lambda k: (-k.count("+"), k))
+  head = ["layout", "params/device", "secondary"] + [f"{k} bytes (time)" for k in keys] + [
+      "comm time/step"]
+  table = [head]
+  for r in rows:
+    cells = [r["layout"], render.format_bytes(r["state_bytes_per_device"]),
+             render.format_bytes(r["secondary_bytes"])]
+    for k in keys:
+      a = r["by_axis"].get(k)
+      cells.append(f"{render.format_bytes(a['bytes'])} ({a['seconds'] * 1e3:.1f} ms)"
+                   if a else "-")
+    cells.append(f"{r['seconds'] * 1e3:.1f} ms")
+    table.append(cells)
+  fastest = min(rows, key=lambda r: r["seconds"])
+  link_words = ", ".join(f"{a} {link.bandwidth / comm_model.GB:g} GB/s {link.latency * 1e6:g} us"
+                         for a, link in links.items())
+  return (f"communication model (ring collectives, per device per step; links: "
+          f"{link_words}):\n" + render.table(table) + f"\nfastest: {fastest['layout']}")
 
 
 def _config(base: ZeroConfig | None, args) -> ZeroConfig:
@@ -88,7 +183,12 @@ def _format_report(report: dict) -> str:
   width = max(len(k) for k in report)
   lines = ["report (per device, per training step):"]
   for key, value in report.items():
-    shown = f"{value}  ({render.format_bytes(value)})" if "bytes" in key else value
+    if isinstance(value, dict) and "bytes" in key:
+      shown = ", ".join(f"{k}: {v} ({render.format_bytes(v)})" for k, v in value.items()) or "-"
+    elif "bytes" in key:
+      shown = f"{value}  ({render.format_bytes(value)})"
+    else:
+      shown = value
     note = _REPORT_NOTES.get(key)
     lines.append(f"  {key.ljust(width)}  {shown}" + (f"  [{note}]" if note else ""))
   return "\n".join(lines)
