@@ -94,8 +94,8 @@ class ZeroConfig:
     if unknown:
       raise TypeError(f"ZeroConfig got unknown field(s) {unknown}; fields: {sorted(fields)} "
                       f"(and axis_name).")
-    if axis_name is not None:
-      values["shard_axes"] = axis_name
+    if axis_name is not None:  # checked here, so that an error names the field given
+      values["shard_axes"] = _axis_tuple("axis_name", axis_name, False)
     for name, f in fields.items():
       object.__setattr__(self, name, values.get(name, f.default))
     self.__post_init__()
