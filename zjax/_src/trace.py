@@ -151,8 +151,9 @@ def trace_for_schedule(loss_fn, params, batch, config, axis_sizes: dict[str, int
       trace = trace_program(loss_fn, as_computed, per_device_batch(batch, share), extra)
     except _UnboundAxisError as e:
       axes = tuple(axis_sizes)
-      raise TraceError(f"{e} zjax binds the data axes {axes} (ZeroConfig.shard_axes / "
-                       f"axis_name and replicate_axes), over which it splits the batch: name "
+      bound = f"its data axis {axes[0]!r}" if len(axes) == 1 else f"the data axes {axes}"
+      raise TraceError(f"{e} zjax binds {bound} (ZeroConfig.shard_axes / axis_name and "
+                       f"replicate_axes), over which it splits the batch: name "
                        f"the model's axis {axes[-1]!r} (e.g. nn.BatchNorm(axis_name="
                        f"{axes[-1]!r})), or set ZeroConfig(axis_name={e.axis!r}) and name "
                        f"the mesh axis {e.axis!r}.") from None
