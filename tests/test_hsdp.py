@@ -365,3 +365,19 @@ def test_memory_of_each_layout_as_predicted(name):
   secondary = found["hpz"][0]["secondary_bytes"]
   extra = found["hpz"][1].temp_size_in_bytes - found["flat2d"][1].temp_size_in_bytes
   assert 0.75 * secondary <= extra <= 1.25 * secondary, (extra, secondary)
+
+
+@pytest.mark.parametrize("layout", ["hsdp", "hpz"])
+@pytest.mark.parametrize("name", ["scanned_gpt", "tied_cond"])
+def test_five_adamw_steps_of_the_scanned_and_tied_models(name, layout):
+  loss, params, batch = MODELS[name]()
+  ref_params, ref_losses = reference_run(loss, ADAMW, params, [batch] * 5)
+  mesh = hsdp_mesh((2, 4))
+  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=LAYOUTS[layout])
+  trainer = zjax.zero3(loss, ADAMW, schedule, mesh=mesh)
+  state, losses = trainer.init(params), []
+  for _ in range(5):
+    state, metrics = trainer.step(state, batch)
+    losses.append(metrics["loss"])
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  assert_trees_close(trainer.gather_params(state), ref_params, rtol=1e-5, atol=PARAM_ATOL)
