@@ -128,17 +128,24 @@ def test_replica_groups_of_every_collective(layout):
     assert all(g == everyone for g, inside in zip(found["all_gather"], gathers) if not inside)
 
 
+def train_five_steps(loss, params, batch, mesh, config):
+  """(schedule, trainer, state after 5 adamw steps on `batch`, the 5 losses)."""
+  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=config)
+  trainer = zjax.zero3(loss, ADAMW, schedule, mesh=mesh)
+  state, losses = trainer.init(params), []
+  for _ in range(5):
+    state, metrics = trainer.step(state, batch)
+    losses.append(metrics["loss"])
+  return schedule, trainer, state, losses
+
+
 @pytest.fixture(scope="module")
 def gpt_reference():
   """The GPT example after 5 adamw steps: single-device optax, and flat 8-device zjax."""
   loss, params, batch = gpt_setup()
   flat_mesh = mesh_of(8)
   flat_config = dataclasses.replace(CONFIG, replicate_axes=())
-  flat = zjax.zero3(loss, ADAMW, zjax.compile_schedule(loss, params, batch, mesh=flat_mesh,
-                                                      config=flat_config), mesh=flat_mesh)
-  flat_state = flat.init(params)
-  for _ in range(5):
-    flat_state, _ = flat.step(flat_state, batch)
+  _, flat, flat_state, _ = train_five_steps(loss, params, batch, flat_mesh, flat_config)
   return (loss, params, batch, reference_run(loss, ADAMW, params, [batch] * 5),
           flat.gather_params(flat_state))
 
@@ -148,12 +155,8 @@ def gpt_reference():
 def test_five_adamw_steps_equal_optax_and_flat_zero3(gpt_reference, layout, shape):
   loss, params, batch, (ref_params, ref_losses), flat_params = gpt_reference
   mesh = hsdp_mesh(shape)
-  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=LAYOUTS[layout])
-  trainer = zjax.zero3(loss, ADAMW, schedule, mesh=mesh)
-  state, losses = trainer.init(params), []
-  for _ in range(5):
-    state, metrics = trainer.step(state, batch)
-    losses.append(metrics["loss"])
+  schedule, trainer, state, losses = train_five_steps(loss, params, batch, mesh,
+                                                      LAYOUTS[layout])
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
   assert_trees_close(trainer.gather_params(state), ref_params, rtol=1e-5, atol=PARAM_ATOL)
   # HSDP: 1/S of each sharded parameter per device; hpZ and flat: 1/(R*S), as flat 8-device
@@ -373,11 +376,6 @@ def test_five_adamw_steps_of_the_scanned_and_tied_models(name, layout):
   loss, params, batch = MODELS[name]()
   ref_params, ref_losses = reference_run(loss, ADAMW, params, [batch] * 5)
   mesh = hsdp_mesh((2, 4))
-  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=LAYOUTS[layout])
-  trainer = zjax.zero3(loss, ADAMW, schedule, mesh=mesh)
-  state, losses = trainer.init(params), []
-  for _ in range(5):
-    state, metrics = trainer.step(state, batch)
-    losses.append(metrics["loss"])
+  _, trainer, state, losses = train_five_steps(loss, params, batch, mesh, LAYOUTS[layout])
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
   assert_trees_close(trainer.gather_params(state), ref_params, rtol=1e-5, atol=PARAM_ATOL)

@@ -20,7 +20,7 @@ import dataclasses
 from zjax._src import ir
 from zjax._src.config import ZeroConfig
 from zjax._src.plan import plan_schedule
-from zjax._src.report import executed_steps
+from zjax._src.report import executed_collectives
 
 GB = 1e9
 
@@ -60,29 +60,6 @@ def collective_seconds(kind: str, nbytes: int, group: int, link: Link) -> float:
   return 2 * one_way if kind == "all_reduce" else one_way
 
 
-def step_collectives(schedule) -> list[tuple[str, tuple[str, ...], int]]:
-  """(kind, mesh axes, bytes) of every collective one step executes (loops unrolled):
-  gathers, reduce-scatters, HSDP's replica all-reduces, the persistent gradients'
-  all-reduce."""
-  s, sim = schedule, schedule._simulation
-  out = []
-  for phase, steps in (("forward", s.forward), ("backward", s.backward)):
-    for st in executed_steps(steps):
-      if st.op not in ("gather", "reduce_scatter"):
-        continue
-      axes = ir.collective_axes(st.op, phase, s.config)
-      kind = "all_gather" if st.op == "gather" else "reduce_scatter"
-      size = sim.bucket_bytes[st.bucket] if st.op == "gather" else \
-          sim.bucket_grad_bytes[st.bucket]
-      out.append((kind, tuple(axes["axes"]), size))
-      if "mean_over" in axes:
-        out.append(("all_reduce", tuple(axes["mean_over"]), size // s.num_devices))
-  persistent = schedule.report()["persistent_grad_all_reduce_bytes"]
-  if persistent and s.data_parallel_size > 1:
-    out.append(("all_reduce", s.config.data_axes, persistent))
-  return out
-
-
 def predict(schedule, links: dict[str, Link] | None = None) -> dict:
   """Predicted communication of one training step: bytes and seconds per axis group (e.g.
   "replica+fsdp") and in total. `links`: mesh axis -> Link (default `default_links`)."""
@@ -94,7 +71,7 @@ def predict(schedule, links: dict[str, Link] | None = None) -> dict:
                      f"{list(sizes)}.")
   by_axis: dict[str, dict] = {}
   total = 0.0
-  for kind, axes, nbytes in step_collectives(schedule):
+  for kind, axes, nbytes in executed_collectives(schedule, schedule._simulation):
     group = 1
     for a in axes:
       group *= sizes[a]
@@ -117,8 +94,7 @@ def layouts(config: ZeroConfig, axes) -> dict[str, ZeroConfig]:
                              secondary_partition=False)
   out = {"flat ZeRO-3": base}
   if len(axes) > 1:
-    hsdp = dataclasses.replace(base, shard_axes=axes[-1:],
-                               replicate_axes=axes[:-1])
+    hsdp = dataclasses.replace(base, shard_axes=axes[-1:], replicate_axes=axes[:-1])
     out["HSDP"] = hsdp
     out["hpZ"] = dataclasses.replace(hsdp, secondary_partition=True)
   return out

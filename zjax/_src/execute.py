@@ -101,7 +101,7 @@ class _Runner:
                         f"{x.shape[0]}, not divisible by the {self.data_parallel} devices of "
                         f"the data axes {self.data_axes}. Use a global batch that is a "
                         f"multiple of {self.data_parallel}.{hint}")
-      return P(self.data_axes if len(self.data_axes) > 1 else self.data_axes[0])
+      return P(layout.spec_entry(self.data_axes))
     return jax.tree_util.tree_map_with_path(spec, batch)
 
   def _device_program(self, treedef, batch, extra) -> "_DeviceProgram":

@@ -28,10 +28,14 @@ def param_specs(schedule) -> list[P]:
 
 
 def storage_axis(config):
-  """The PartitionSpec entry of sharded storage: one axis name, or a tuple of them (device d
-  = row-major index over the storage axes)."""
-  axes = config.storage_axes
-  return axes[0] if len(axes) == 1 else axes
+  """The PartitionSpec entry of sharded storage (device d = row-major index over the
+  storage axes)."""
+  return spec_entry(config.storage_axes)
+
+
+def spec_entry(axes):
+  """A PartitionSpec entry splitting one dimension over `axes`: the name, or their tuple."""
+  return axes[0] if len(axes) == 1 else tuple(axes)
 
 
 def storage_spec(entry, axis) -> P:

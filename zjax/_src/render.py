@@ -15,12 +15,11 @@ def format_bytes(n: int) -> str:
 
 def render_schedule(s, sim) -> str:
   """The steps as a table: step, phase, op, bucket, what, bytes, live bytes after the step."""
-  copies = _layout_words(s)
-  head = (f"zjax schedule v{ir.FORMAT_VERSION}: {s.num_devices} device(s){copies}, "
+  head = (f"zjax schedule v{ir.FORMAT_VERSION}: {s.num_devices} device(s){_layout_words(s)}, "
           f"{len(s.params)} "
           f"params ({sum(p.persistent for p in s.params)} persistent), {len(s.buckets)} "
           f"buckets, {len(s.segments)} segments, fingerprint {s.fingerprint[:12]}")
-  rows = [("step", "phase", "op", "bucket", "what", "bytes", "live after")]
+  rows = [("step", "phase", "op", "axes", "bucket", "what", "bytes", "live after")]
   for phase, steps, live in (("fwd", s.forward, sim.forward_live),
                              ("bwd", s.backward, sim.backward_live)):
     for i, (step, live_after) in enumerate(zip(steps, live)):
@@ -28,9 +27,8 @@ def render_schedule(s, sim) -> str:
         rows += _loop_rows(s, sim, phase, i, step, live_after)
       else:
         rows.append(_step_row(s, sim, phase, i, step, live_after))
-  if len(s.config.data_axes) > 1:  # name the axes each collective spans
-    rows = [r[:3] + (_axes_cell(s, r), *r[3:]) for r in rows]
-    rows[0] = rows[0][:3] + ("axes",) + rows[0][4:]
+  if len(s.config.data_axes) == 1:  # every collective spans the one axis: no column
+    rows = [r[:3] + r[4:] for r in rows]
   return head + "\n" + table(rows)
 
 
@@ -41,16 +39,14 @@ def _layout_words(s) -> str:
   if s.config.secondary_partition:
     return (f" ({sizes} over {axes}), hpZ: forward over every axis, backward re-gathers "
             f"from a secondary 1/{s.shards} shard over {','.join(s.config.shard_axes)}")
-  if s.replicas > 1 or s.config.replicate_axes:
+  if s.config.replicate_axes:
     return f" x {s.replicas} replicas over {', '.join(s.config.replicate_axes)} (HSDP)"
   return f" ({sizes} over {axes})" if len(s.config.shard_axes) > 1 else ""
 
 
-def _axes_cell(s, row) -> str:
-  op, phase = row[2].strip(), "backward" if row[1] == "bwd" else "forward"
-  if op.startswith(("gather", "re-gather", "next layer")):
-    op = "gather"
-  info = ir.collective_axes(op, phase, s.config)
+def _axes_cell(s, step, phase) -> str:
+  """The mesh axes the step's collective spans ("" for steps without one)."""
+  info = ir.collective_axes(step.op, "backward" if phase == "bwd" else "forward", s.config)
   if not info:
     return ""
   cell = ir.axes_key(info["axes"])
@@ -61,13 +57,13 @@ def _loop_rows(s, sim, phase, i, step, live_after):
   """A loop step, then its body indented: these steps run once per iteration; a prefetched
   gather fetches the next iteration's layer (the first one before the loop)."""
   seg = s.segments[step.segment]
-  rows = [(str(i), phase, f"loop x{step.length}", "",
+  rows = [(str(i), phase, f"loop x{step.length}", "", "",
            f"segment {seg.id} ops [{seg.start},{seg.end}) {seg.label}, per iteration:".rstrip(),
            "", format_bytes(live_after))]
   for j, inner in enumerate(step.body):
     row = _step_row(s, sim, phase, j, inner, None)
     rows.append((f"{i}.{j}", phase, "  " + row[2].replace("prefetch", "next layer"),
-                 *row[3:6], ""))
+                 *row[3:7], ""))
   return rows
 
 
@@ -75,7 +71,7 @@ def _step_row(s, sim, phase, i, step, live_after):
   if step.op == "compute":
     seg = s.segments[step.segment]
     what = f"segment {seg.id} ops [{seg.start},{seg.end}) {seg.label}".rstrip()
-    return (str(i), phase, "compute" if phase == "fwd" else "compute_vjp", "", what, "",
+    return (str(i), phase, "compute" if phase == "fwd" else "compute_vjp", "", "", what, "",
             format_bytes(live_after) if live_after is not None else "")
   bucket = s.buckets[step.bucket]
   names = ",".join(leaf_name(p) for p in bucket.params)
@@ -84,8 +80,8 @@ def _step_row(s, sim, phase, i, step, live_after):
     op = ("re-gather" if phase == "bwd" else "gather") + (" (prefetch)" if step.prefetch else "")
   elif step.op in ("keep_secondary", "drop_secondary"):  # hpZ: 1/S of the gathered bucket
     op, size = op.replace("_", " "), size // s.shards
-  return (str(i), phase, op, str(step.bucket), f"{bucket.module or '<root>'} [{names}]",
-          format_bytes(size),
+  return (str(i), phase, op, _axes_cell(s, step, phase), str(step.bucket),
+          f"{bucket.module or '<root>'} [{names}]", format_bytes(size),
           format_bytes(live_after) if live_after is not None else "")
 
 

@@ -19,10 +19,8 @@ def make_report(s, sim) -> dict:
   persistent = [p for p in s.params if p.persistent]
   scatter_bytes = sum(grad_bytes[st.bucket] for st in scatters)
   replica_bytes = scatter_bytes // s.num_devices if s.config.averaged_axes else 0
-  persistent_bytes = sum(p.size * ir.reduce_wire_dtype(p.dtype, s.config, s.platform).itemsize
-                         for p in persistent if ir.has_gradient(p))
-  gather_axes = {phase: ir.axes_key(ir.collective_axes("gather", phase, s.config)["axes"])
-                 for phase in ("forward", "backward")}
+  persistent_bytes = persistent_grad_bytes(s)
+  collectives = executed_collectives(s, sim)
   return {
       "num_devices": s.num_devices,
       "num_params": len(s.params),
@@ -47,17 +45,8 @@ def make_report(s, sim) -> dict:
       "persistent_grad_all_reduce_bytes": persistent_bytes,
       # the same bytes by the mesh axes each collective spans ("replica+fsdp": both); the
       # loss's scalar all-reduce over every data axis is not counted
-      "all_gather_bytes_by_axis": _by_axis(
-          [(gather_axes["forward"], bucket_bytes[st.bucket]) for st in forward
-           if st.op == "gather"] +
-          [(gather_axes["backward"], bucket_bytes[st.bucket]) for st in backward
-           if st.op == "gather"]),
-      "reduce_scatter_bytes_by_axis": _by_axis(
-          [(ir.axes_key(s.config.storage_axes), scatter_bytes)]),
-      "all_reduce_bytes_by_axis": _by_axis(
-          [(ir.axes_key(s.config.averaged_axes), replica_bytes),
-           (ir.axes_key(s.config.data_axes), persistent_bytes if s.data_parallel_size > 1
-            else 0)]),
+      **{f"{kind}_bytes_by_axis": _by_axis(collectives, kind)
+         for kind in ("all_gather", "reduce_scatter", "all_reduce")},
       "secondary_bytes": sim.peak_secondary_bytes,
       "peak_live_param_bytes": max(sim.forward_live + sim.backward_live, default=0),
       "peak_live_grad_bytes": max(sim.backward_grad_live, default=0),
@@ -68,12 +57,42 @@ def make_report(s, sim) -> dict:
   }
 
 
-def _by_axis(pairs) -> dict[str, int]:
-  """(axes key, bytes) pairs -> bytes per key, zero entries left out."""
+def persistent_grad_bytes(s) -> int:
+  """Bytes of the persistent (replicated) parameters' gradients, as all-reduced."""
+  return sum(p.size * ir.reduce_wire_dtype(p.dtype, s.config, s.platform).itemsize
+             for p in s.params if p.persistent and ir.has_gradient(p))
+
+
+def executed_collectives(s, sim) -> list[tuple[str, tuple[str, ...], int]]:
+  """(kind, mesh axes, full-buffer bytes) of every collective one step executes, loops
+  unrolled: gathers, reduce-scatters, HSDP's replica all-reduce of each reduce-scattered
+  shard, and the persistent gradients' all-reduce (when there is more than one device).
+  The loss's scalar all-reduce is left out."""
+  out = []
+  for phase, steps in (("forward", s.forward), ("backward", s.backward)):
+    for st in executed_steps(steps):
+      if st.op not in ("gather", "reduce_scatter"):
+        continue
+      axes = ir.collective_axes(st.op, phase, s.config)
+      if st.op == "gather":
+        out.append(("all_gather", tuple(axes["axes"]), sim.bucket_bytes[st.bucket]))
+        continue
+      size = sim.bucket_grad_bytes[st.bucket]
+      out.append(("reduce_scatter", tuple(axes["axes"]), size))
+      if "mean_over" in axes:
+        out.append(("all_reduce", tuple(axes["mean_over"]), size // s.num_devices))
+  persistent = persistent_grad_bytes(s)
+  if persistent and s.data_parallel_size > 1:
+    out.append(("all_reduce", s.config.data_axes, persistent))
+  return out
+
+
+def _by_axis(collectives, kind) -> dict[str, int]:
+  """Bytes of the collectives of `kind` per mesh axes key ("replica+fsdp")."""
   out = {}
-  for key, n in pairs:
-    if n:
-      out[key] = out.get(key, 0) + n
+  for k, axes, n in collectives:
+    if k == kind and n:
+      out[ir.axes_key(axes)] = out.get(ir.axes_key(axes), 0) + n
   return out
 
 
