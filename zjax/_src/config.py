@@ -66,6 +66,11 @@ class ZeroConfig:
       randomness (dropout masks) for their shares of the batch; deterministic for a given
       key and device count. With gradient accumulation the micro-batch index is folded in
       too. False: every device (and micro-batch) sees the key as given.
+    roll_layers: run consecutive identical layers of an unrolled model (a Python ``for``
+      over blocks) as one loop, as if written with ``nn.scan``: one layer's gathers,
+      compute and reduce-scatters per iteration, so compile time and gathered-weight
+      memory stop growing with depth. Parameters keep their per-layer leaves and paths.
+      The schedule's ``rolling`` notes say what was rolled and why other repeats were not.
 
   Example:
     >>> cfg = ZeroConfig(prefetch_bucket_size=0, param_persistence_threshold=1e4)
@@ -85,6 +90,7 @@ class ZeroConfig:
   secondary_partition: bool = False
   gradient_reduction: str = "once"
   fold_rng_keys: bool = True
+  roll_layers: bool = True
 
   def __init__(self, *, axis_name: Any = None, **values):
     # axis_name is an alias, not a field: dataclasses.replace(cfg, shard_axes=...) then
@@ -125,9 +131,10 @@ class ZeroConfig:
     if self.gradient_reduction not in GRADIENT_REDUCTIONS:
       raise ValueError(f"ZeroConfig.gradient_reduction must be one of "
                        f"{list(GRADIENT_REDUCTIONS)}, got {self.gradient_reduction!r}.")
-    if not isinstance(self.fold_rng_keys, bool):
-      raise ValueError(f"ZeroConfig.fold_rng_keys must be True or False, got "
-                       f"{self.fold_rng_keys!r}.")
+    for name in ("fold_rng_keys", "roll_layers"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"ZeroConfig.{name} must be True or False, got "
+                         f"{getattr(self, name)!r}.")
 
   def to_dict(self) -> dict:
     """JSON-serialisable form (dtype as its name)."""

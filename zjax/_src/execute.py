@@ -26,9 +26,10 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from zjax._src import collectives, ir, layout
+from zjax._src import collectives, ir, layout, roll
 from zjax._src import segments as seg_lib
 from zjax._src.execute_loop import Loop
+from zjax._src.execute_rolled import RolledLoop
 from zjax._src.errors import ScheduleMismatchError, ZjaxError
 from zjax._src.schedule import program_hash
 from zjax._src.trace import trace_for_schedule
@@ -144,10 +145,27 @@ class _DeviceProgram:
     index = {p.path: i for i, p in enumerate(schedule.params)}
     self.members = [[index[path] for path in b.params] for b in schedule.buckets]
     self.consts = dict(zip(program.const_ids, program.consts))
+    self.needs_gradient = seg_lib.needs_gradient(program, [ir.has_gradient(p)
+                                                           for p in schedule.params])
     backward_loops = {st.segment: st for st in schedule.backward if st.op == ir.LOOP_OP}
-    self.loops = {st.segment: Loop(self, st.segment, self.segments[st.segment].ops[0], st,
-                                   backward_loops[st.segment])
+    self.loops = {st.segment: self._loop(st, backward_loops[st.segment])
                   for st in schedule.forward if st.op == ir.LOOP_OP}
+
+  def _loop(self, forward_step, backward_step):
+    """The loop of a loop step: a scan over stacked parameters, or a rolled run."""
+    k = forward_step.segment
+    seg = self.s.segments[k]
+    if not any(self.s.buckets[b].layers for b in seg.buckets):
+      return Loop(self, k, self.segments[k].ops[0], forward_step, backward_step)
+    length = forward_step.length
+    facts = roll.param_facts(self.s.params, None, None)
+    try:
+      run = roll.analyze_run(self.program, facts, seg.start, (seg.end - seg.start) // length,
+                             length)
+    except ValueError as e:
+      raise ScheduleMismatchError(f"Segment {k} of the schedule is a rolled loop, but {e}. "
+                                  f"Recompile the schedule for this loss function.") from None
+    return RolledLoop(self, k, run, forward_step, backward_step)
 
   def compute_dtype(self, i):
     return ir.gather_dtype(self.s.params[i].dtype, self.s.config.compute_dtype)
@@ -304,10 +322,6 @@ class _State:
       self.anchor = outs[-1]
 
   # ---- loops (see execute_loop.py) ------------------------------------------------------
-  def stacked_shards(self, loop) -> dict:
-    return {i: self.shards[i].astype(self.dp.compute_dtype(i))
-            for b in loop.buckets for i in self.dp.members[b]}
-
   def input_value(self, atom):
     if isinstance(atom, jex.Literal):
       return jnp.asarray(atom.val)
@@ -315,17 +329,16 @@ class _State:
 
   def forward_loop(self, k):
     loop = self.dp.loops[k]
-    inputs = [None if j in loop.stacked_inputs else self.input_value(a)
-              for j, a in enumerate(loop.op.inputs)]
-    outs, self.vjps[k] = loop.forward(self.stacked_shards(loop), inputs, self.anchor)
-    self.env.update(zip(loop.op.outputs, outs))
+    outs, self.vjps[k] = loop.forward(loop.stacked_shards(self), loop.input_values(self),
+                                      self.anchor)
+    self.env.update(zip(loop.outputs, outs))
     if outs:
       self.anchor = outs[0]
 
   def backward_loop(self, k):
-    loop, io = self.dp.loops[k], self.dp.segments[k]
+    loop = self.dp.loops[k]
     ct_outs = []
-    for o in loop.op.outputs:
+    for o in loop.outputs:
       ct = self.cts.pop(o, None)
       aval = self.dp.program.avals[o]
       if not ir.is_float(aval.dtype):
@@ -333,19 +346,16 @@ class _State:
       elif ct is None:
         ct = jnp.zeros(aval.shape, aval.dtype)
       ct_outs.append(ct)
-    ct_inputs, grads = loop.backward(self.stacked_shards(loop), self.vjps.pop(k), ct_outs,
+    ct_inputs, grads = loop.backward(loop.stacked_shards(self), self.vjps.pop(k), ct_outs,
                                      self.anchor)
-    diff_views = {v for v, d in zip(io.param_inputs, self.dp.diff_params[k]) if d}
-    diff_acts = {a for a, d in zip(io.act_inputs, self.dp.diff_acts[k]) if d}
-    for a, ct in zip(loop.op.inputs, ct_inputs):
-      if ct is None or not isinstance(a, int):
-        continue
-      if a in diff_views:
-        self._accumulate_param_grad(a, ct)
-      elif a in diff_acts:
+    for a, ct in loop.input_cotangents(ct_inputs):
+      if a in self.dp.chains:  # a parameter (view): trained ones get the gradient
+        if ir.has_gradient(self.dp.s.params[self.dp.chains[a][0]]):
+          self._accumulate_param_grad(a, ct)
+      elif a in self.dp.needs_gradient:
         self.cts[a] = ct if a not in self.cts else self.cts[a] + ct
         self.anchor = ct
-    for i, chunks in grads.items():
+    for i, chunks in loop.shard_grads(grads).items():
       self.add_shard_grad(i, chunks)
 
   # ---- backward --------------------------------------------------------------------------

@@ -35,16 +35,13 @@ class Loop:
 
   def __init__(self, dp, segment: int, op, forward_step, backward_step):
     self.dp, self.segment, self.op = dp, segment, op
+    self.inputs, self.outputs = list(op.inputs), list(op.outputs)
     eqn = op.eqn
     self.body_jaxpr = eqn.params["jaxpr"]
     self.length, self.reverse = eqn.params["length"], eqn.params["reverse"]
     self.num_consts, self.num_carry = eqn.params["num_consts"], eqn.params["num_carry"]
     self.first_xs = self.num_consts + self.num_carry
-    self.buckets = [st.bucket for st in forward_step.body if st.op == "gather"]
-    self.prefetch = {"forward": _prefetches(forward_step), "backward": _prefetches(backward_step)}
-    self.scattered = {st.bucket for st in backward_step.body if st.op == "reduce_scatter"}
-    # hpZ: buckets whose per-layer secondary shards forward keeps for backward's re-gathers
-    self.secondary = [st.bucket for st in forward_step.body if st.op == "keep_secondary"]
+    self.read_steps(forward_step, backward_step)
     stacked = {i for b in self.buckets for i in dp.members[b]}
     self.stacked_inputs = {}  # input position -> (param index, shape-keeping layout ops)
     for j, a in enumerate(op.inputs):
@@ -53,7 +50,35 @@ class Loop:
     # stacked consts read as W[i]: body equation index -> input position
     self.layer_slices = {k: j for j in self.stacked_inputs if j < self.num_consts
                          for k in loops.layer_slices(dp.program, op, j)}
-    self.trained = [i for b in self.buckets if b in self.scattered for i in dp.members[b]]
+
+  def read_steps(self, forward_step, backward_step):
+    """What the loop steps say: the stacked buckets, prefetch, which are reduce-scattered."""
+    self.buckets = [st.bucket for st in forward_step.body if st.op == "gather"]
+    self.prefetch = {"forward": _prefetches(forward_step), "backward": _prefetches(backward_step)}
+    self.scattered = {st.bucket for st in backward_step.body if st.op == "reduce_scatter"}
+    # hpZ: buckets whose per-layer secondary shards forward keeps for backward's re-gathers
+    self.secondary = [st.bucket for st in forward_step.body if st.op == "keep_secondary"]
+    self.trained = [i for b in self.buckets if b in self.scattered for i in self.dp.members[b]]
+
+  # ---- the loop's inputs and outputs in the executor's state ---------------------------
+  def input_values(self, state) -> list:
+    """The op's input values (stacked positions None: the loop gathers them per layer)."""
+    return [None if j in self.stacked_inputs else state.input_value(a)
+            for j, a in enumerate(self.inputs)]
+
+  def stacked_shards(self, state) -> dict:
+    """param index -> this device's stacked shard [L, c] in the compute dtype."""
+    return {i: state.shards[i].astype(self.dp.compute_dtype(i))
+            for b in self.buckets for i in self.dp.members[b]}
+
+  def shard_grads(self, grads: dict) -> dict:
+    """param index -> its local gradient chunks, from `backward`'s stacked ones."""
+    return grads
+
+  def input_cotangents(self, ct_inputs) -> list:
+    """(value id, cotangent) of every input that received one."""
+    return [(a, ct) for a, ct in zip(self.inputs, ct_inputs)
+            if ct is not None and isinstance(a, int)]
 
   # ---- one iteration -------------------------------------------------------------------
   def body(self, layers: dict, inputs: list):
@@ -137,7 +162,7 @@ class Loop:
     the compute dtype; `inputs`: the op's input values (stacked positions ignored)."""
     consts, carry, xs = self._split(inputs)
     length, tie = self.length, anchor if anchor is not None else carry
-    ys_avals = [self.dp.program.avals[o] for o in self.op.outputs[self.num_carry:]]
+    ys_avals = [self.dp.program.avals[o] for o in self.outputs[self.num_carry:]]
     ys = [jnp.zeros(a.shape, a.dtype) for a in ys_avals]
     saved = [jnp.zeros((length,) + jnp.shape(c), jnp.result_type(c)) for c in carry]
     kept = self.secondary_stacks(shards)  # hpZ: every layer's secondary shards

@@ -21,6 +21,9 @@ Vocabulary:
     forward gather followed by "keep_secondary" leaves the device the bucket's 1/S slice
     over the shard axes; backward gathers read it (over the shard axes only) until
     "drop_secondary".
+  * rolled layers: L consecutive identical layers of an unrolled model run as a loop step
+    too; a rolled bucket lists layer 0's parameters and every layer's (`layers`), each
+    iteration gathering that layer's leaves.
   * loops: a parameter stacked along a layer axis and consumed whole by one scan (as its xs)
     is *stacked*: stored [L, padded layer], each device holding 1/N of every layer. Its
     bucket (all stacked members of one module) is gathered one layer at a time inside a
@@ -74,7 +77,15 @@ class Bucket:
   dtype: str
   params: tuple[str, ...]  # paths, in first-use order
   frozen: bool = False  # all its parameters are frozen (a bucket never mixes)
-  stacked: bool = False  # its parameters are stacked: gathered one layer at a time in a loop
+  stacked: bool = False  # gathered one layer at a time in a loop
+  # A rolled run of identical layers (roll.py): each layer's parameter paths, layer 0's
+  # being `params`; its members stay per-layer leaves (not stacked storage). () otherwise.
+  layers: tuple[tuple[str, ...], ...] = ()
+
+  @property
+  def loop_paths(self) -> tuple[str, ...]:
+    """Every parameter the bucket stands for: all layers' if rolled."""
+    return tuple(p for layer in self.layers for p in layer) if self.layers else self.params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +164,9 @@ def local_elements(entry, num_devices: int) -> int:
 
 
 def is_float(dtype) -> bool:
-  return bool(jnp.issubdtype(jnp.dtype(dtype), jnp.floating))
+  """Floating point (PRNG key dtypes are not)."""
+  return bool(jnp.issubdtype(jnp.dtype(dtype) if isinstance(dtype, str) else dtype,
+                             jnp.floating))
 
 
 def has_gradient(item) -> bool:

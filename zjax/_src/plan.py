@@ -32,7 +32,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from zjax._src import ir, loops
+from zjax._src import ir, loops, roll
 from zjax._src import segments as seg_lib
 from zjax._src.config import ZeroConfig
 from zjax._src.errors import ScheduleError
@@ -124,8 +124,12 @@ def _plan(trace, config, axis_sizes, frozen, platform) -> Schedule:
                 if num_devices == 1 or p.size <= config.param_persistence_threshold}
   sharded = {p.index for p in trace.params if p.index not in persistent}
   stacked = loops.stacked_params(trace.program, trace.params, sharded)
-  groups = _group_buckets(trace, persistent, frozen, stacked)
+  rolling = _find_rolling(trace, config, persistent, frozen, set(stacked.values()))
+  layers_of = {run.stacked[p][0]: run.stacked[p] for run in rolling.runs
+               for p in range(len(run.stacked)) if run.stacked[p][0] in sharded}
+  groups = _group_buckets(trace, persistent, frozen, stacked, layers_of)
   bucket_of = {i: b for b, (*_, members) in enumerate(groups) for i in members}
+  bucket_of.update({i: bucket_of[layers[0]] for layers in layers_of.values() for i in layers})
   entries = tuple(
       ir.ParamEntry(path=p.path, shape=p.shape, dtype=p.dtype.name,
                     persistent=p.index in persistent, bucket=bucket_of.get(p.index),
@@ -135,22 +139,42 @@ def _plan(trace, config, axis_sizes, frozen, platform) -> Schedule:
   buckets = tuple(
       ir.Bucket(id=b, module=module, dtype=dtype,
                 params=tuple(trace.params[i].path for i in members), frozen=is_frozen,
-                stacked=members[0] in stacked)
+                stacked=members[0] in stacked or members[0] in layers_of,
+                layers=_layer_paths(trace, members, layers_of))
       for b, (module, dtype, is_frozen, _, members) in enumerate(groups))
   trained = [ir.has_gradient(e) for e in entries]
-  loop_ops = set(stacked.values())
-  segments = _make_segments(trace, bucket_of, loop_ops)
-  segments = _with_backward_buckets(segments, trace, bucket_of, trained, loop_ops)
+  loop_ranges = {op: op + 1 for op in stacked.values()}  # a scan: one op
+  loop_ranges.update((run.start, run.end) for run in rolling.runs)
+  segments = _make_segments(trace, bucket_of, loop_ranges)
+  segments = _with_backward_buckets(segments, trace, bucket_of, trained, loop_ranges)
   elements = [sum(ir.gathered_elements(entries[i], num_devices) for i in members)
               for *_, members in groups]
-  lengths = {b: entries[members[0]].shape[0] for b, (*_, members) in enumerate(groups)
-             if buckets[b].stacked}
+  lengths = {b: len(buckets[b].layers) or entries[members[0]].shape[0]
+             for b, (*_, members) in enumerate(groups) if buckets[b].stacked}
   forward, backward = _StepPlanner(segments, elements, buckets, config, lengths).plan()
   return Schedule(num_devices=num_devices, platform=platform, replica_sizes=replica_sizes,
                   shard_sizes=shard_sizes, config=config,
                   num_ops=len(trace.ops),
                   program_hash=program_hash(o.primitive for o in trace.ops), params=entries,
-                  buckets=buckets, segments=segments, forward=forward, backward=backward)
+                  buckets=buckets, segments=segments, forward=forward, backward=backward,
+                  rolling=rolling.notes)
+
+
+def _find_rolling(trace, config, persistent, frozen, loop_ops) -> roll.Rolling:
+  """Runs of identical layers to run as loops (roll.py), unless config.roll_layers is off."""
+  if not config.roll_layers:
+    return roll.Rolling((), ("layer rolling is off (ZeroConfig.roll_layers=False)",))
+  facts = roll.param_facts(trace.params, persistent, frozen)
+  return roll.find_runs(trace.program, facts, excluded=loop_ops)
+
+
+def _layer_paths(trace, members, layers_of) -> tuple[tuple[str, ...], ...]:
+  """A rolled bucket's parameter paths per layer (layer 0 first); () for other buckets."""
+  if members[0] not in layers_of:
+    return ()
+  length = len(layers_of[members[0]])
+  return tuple(tuple(trace.params[layers_of[i][layer]].path for i in members)
+               for layer in range(length))
 
 
 def resolve_axis_sizes(config, mesh=None, num_devices=None, replica_sizes=None,
@@ -201,35 +225,47 @@ def resolve_axis_sizes(config, mesh=None, num_devices=None, replica_sizes=None,
   return {a: int(n) for a, n in axis_sizes.items()}
 
 
-def _group_buckets(trace, persistent, frozen, stacked
-                   ) -> list[tuple[str, str, bool, int | None, list[int]]]:
-  """(owner module, dtype, frozen, loop op or None, param indices) per bucket, in order of
-  first use. Stacked parameters are bucketed per loop, apart from the others."""
-  used = [p for p in trace.params if p.uses and p.index not in persistent]
+def _group_buckets(trace, persistent, frozen, stacked, layers_of
+                   ) -> list[tuple[str, str, bool, Any, list[int]]]:
+  """(owner module, dtype, frozen, loop or None, param indices) per bucket, in order of
+  first use. Stacked parameters are bucketed per loop, apart from the others; a rolled
+  run's buckets hold its first layer's parameters (`layers_of`: first-layer parameter ->
+  its counterpart in every layer), standing for every layer."""
+  later_layers = {i for layers in layers_of.values() for i in layers[1:]}
+  used = [p for p in trace.params
+          if p.uses and p.index not in persistent and p.index not in later_layers]
   used.sort(key=lambda p: (p.uses[0].op, p.index))
   groups: dict[tuple, list[int]] = {}
   for p in used:
-    key = (p.owner, p.dtype.name, p.index in frozen, stacked.get(p.index))
+    loop = stacked.get(p.index, ("rolled", len(layers_of[p.index])) if p.index in layers_of
+                       else None)
+    key = (p.owner, p.dtype.name, p.index in frozen, loop)
     groups.setdefault(key, []).append(p.index)
   return [(*key, members) for key, members in groups.items()]
 
 
-def _make_segments(trace, bucket_of, loop_ops=frozenset()) -> tuple[ir.Segment, ...]:
-  """Cut the op list where a bucket not used by the current segment is needed; a loop op
-  (a scan with stacked parameters) is a segment of its own."""
+def _make_segments(trace, bucket_of, loop_ranges=None) -> tuple[ir.Segment, ...]:
+  """Cut the op list where a bucket not used by the current segment is needed; a loop
+  (`loop_ranges`: first op -> end; a scan with stacked parameters, or a rolled run of
+  layers) is a segment of its own."""
+  loop_ranges = loop_ranges or {}
   buckets_at: dict[int, set[int]] = {}
   for p in trace.params:
     if p.index in bucket_of:
       for u in p.uses:
         buckets_at.setdefault(u.op, set()).add(bucket_of[p.index])
   cuts = []  # (end, bucket ids, first op that uses a bucket)
-  current, last_op, first = set(), None, None
-  for op in sorted(buckets_at):
-    if op in loop_ops:
+  current, last_op, first, loop_end = set(), None, None, -1
+  for op in sorted(set(buckets_at) | set(loop_ranges)):
+    if op < loop_end:
+      continue
+    if op in loop_ranges:
       end = cuts[-1][0] if cuts else 0
       if current or end < op:
         cuts.append((op, sorted(current), first))
-      cuts.append((op + 1, sorted(buckets_at[op]), op))
+      loop_end = loop_ranges[op]
+      used = set().union(*(buckets_at.get(k, set()) for k in range(op, loop_end)))
+      cuts.append((loop_end, sorted(used), op))
       current = set()
       continue
     if current and not buckets_at[op] <= current:
@@ -252,7 +288,7 @@ def _make_segments(trace, bucket_of, loop_ops=frozenset()) -> tuple[ir.Segment, 
   return tuple(segments)
 
 
-def _with_backward_buckets(segments, trace, bucket_of, trained, loop_ops=frozenset()
+def _with_backward_buckets(segments, trace, bucket_of, trained, loop_ranges=None
                            ) -> tuple[ir.Segment, ...]:
   """Fill each segment's backward_buckets: the buckets its vjp reads (see segments.py). A
   loop's backward recomputes each iteration, so it reads all its buckets."""
@@ -260,7 +296,7 @@ def _with_backward_buckets(segments, trace, bucket_of, trained, loop_ops=frozens
   a = seg_lib.analyze(program, segments, trained)
   out = []
   for k, (seg, io) in enumerate(zip(segments, a.ios)):
-    if seg.end - seg.start == 1 and seg.start in loop_ops:
+    if (loop_ranges or {}).get(seg.start) == seg.end:
       out.append(dataclasses.replace(seg, backward_buckets=seg.buckets))
       continue
     sharded = [j for j, v in enumerate(io.param_inputs) if a.chains[v][0] in bucket_of]

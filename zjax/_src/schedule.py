@@ -53,6 +53,9 @@ class Schedule:
   # Sizes of config.shard_axes (S = their product); num_devices is the product of the
   # storage axes' sizes: S, or R*S with hpZ. Default: (num_devices,) for one shard axis.
   shard_sizes: tuple[int, ...] = ()
+  # What layer rolling did: each rolled run, and why other repeated layers were not rolled
+  # (for people; the executor reads the loop steps and the buckets' `layers`).
+  rolling: tuple[str, ...] = ()
   # The params' pytree structure, known when compiled in this process (not saved in JSON).
   params_treedef = None
 
@@ -131,6 +134,7 @@ class Schedule:
         "params": [dataclasses.asdict(p) for p in self.params],
         "buckets": [dataclasses.asdict(b) for b in self.buckets],
         "segments": [dataclasses.asdict(s) for s in self.segments],
+        "rolling": list(self.rolling),
         "forward": [s.to_dict_with_axes("forward", self.config) for s in self.forward],
         "backward": [s.to_dict_with_axes("backward", self.config) for s in self.backward],
     }
@@ -261,6 +265,7 @@ def _parse(data) -> dict:
   config = dict(_field(data, "config", dict, "top level"))
   # files written before the knob existed reduce-scatter once per forward gather
   config.setdefault("gradient_reduction", "per_gather")
+  config.setdefault("roll_layers", False)  # nor rolled layers
   try:
     config = ZeroConfig.from_dict(config)
   except ValueError as e:
@@ -279,6 +284,7 @@ def _parse(data) -> dict:
       params=tuple(_parse_param(p, i) for i, p in enumerate(_items(data, "params"))),
       buckets=tuple(_parse_bucket(b, i) for i, b in enumerate(_items(data, "buckets"))),
       segments=tuple(_parse_segment(s, i) for i, s in enumerate(_items(data, "segments"))),
+      rolling=tuple(_string_list(data, "rolling", "top level") if "rolling" in data else ()),
       forward=tuple(_parse_step(s, i, "forward", config)
                     for i, s in enumerate(_items(data, "forward"))),
       backward=tuple(_parse_step(s, i, "backward", config)
@@ -305,7 +311,11 @@ def _parse_bucket(b, i) -> ir.Bucket:
   return ir.Bucket(id=_field(b, "id", int, where), module=_field(b, "module", str, where),
                    dtype=_field(b, "dtype", str, where), params=tuple(paths),
                    frozen=_field(b, "frozen", bool, where),
-                   stacked=_optional(b, "stacked", bool, where, False))
+                   stacked=_optional(b, "stacked", bool, where, False),
+                   layers=tuple(tuple(_string_list({"layer": layer}, "layer",
+                                                   f"{where}.layers[{k}]"))
+                                for k, layer in enumerate(_optional(b, "layers", list, where,
+                                                                    []))))
 
 
 def _parse_segment(s, i) -> ir.Segment:
@@ -359,6 +369,13 @@ def _field(obj, key, types, where):
 def _optional(obj, key, types, where, default):
   """A field that older format versions lack."""
   return _field(obj, key, types, where) if key in obj else default
+
+
+def _string_list(obj, key, where) -> list[str]:
+  value = _field(obj, key, list, where)
+  _expect(all(isinstance(x, str) for x in value),
+          f"{where}: field {key!r} must be a list of strings, got {value!r}")
+  return value
 
 
 def _int_list(obj, key, where) -> list[int]:

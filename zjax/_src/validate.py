@@ -78,7 +78,8 @@ def _check_buckets(s):
       raise ScheduleError(f"Bucket at position {i} has id {b.id}; ids must be 0, 1, 2, ...")
     if not b.params:
       raise ScheduleError(f"Bucket {i} holds no parameters; remove it.")
-    for path in b.params:
+    _check_layers(b, by_path)
+    for path in b.loop_paths:
       if path not in by_path:
         raise ScheduleError(f"Bucket {i} names unknown parameter {path}; the parameter table "
                             f"has no such path.")
@@ -89,19 +90,48 @@ def _check_buckets(s):
       if p.dtype != b.dtype:
         raise ScheduleError(f"Bucket {i} has dtype {b.dtype} but holds {path} of dtype "
                             f"{p.dtype}; a bucket holds one dtype.")
-      if p.stacked != b.stacked:
+      if p.stacked != (b.stacked and not b.layers):
         raise ScheduleError(f"Bucket {i} is {'' if b.stacked else 'not '}stacked but holds "
                             f"{path}, which is {'' if p.stacked else 'not '}stacked; a bucket "
-                            f"never mixes per-layer and whole gathers.")
+                            f"never mixes per-layer and whole gathers (a rolled bucket's "
+                            f"leaves are per layer, not stacked).")
       if p.frozen != b.frozen:
         raise ScheduleError(f"Bucket {i} is {'' if b.frozen else 'not '}frozen but holds "
                             f"{path}, which is {'' if p.frozen else 'not '}frozen; a bucket "
                             f"never mixes frozen and trained parameters.")
   for p in s.params:
     if p.bucket is not None and (p.bucket >= len(s.buckets) or p.path not in
-                                 s.buckets[p.bucket].params):
+                                 s.buckets[p.bucket].loop_paths):
       raise ScheduleError(f"Parameter {p.path} says bucket {p.bucket}, but that bucket does not "
                           f"list it.")
+
+
+def _check_layers(b, by_path):
+  """A rolled bucket: layer 0 is `params`, every layer has the same number of leaves, each
+  shaped like its layer-0 counterpart, and no leaf appears twice."""
+  if not b.layers:
+    return
+  if not b.stacked or len(b.layers) < 2 or b.layers[0] != b.params:
+    raise ScheduleError(f"Bucket {b.id} lists layers, which needs a stacked bucket whose "
+                        f"first layer is its params and at least two layers.")
+  paths = [p for layer in b.layers for p in layer]
+  if len(set(paths)) != len(paths):
+    raise ScheduleError(f"Bucket {b.id} lists a parameter in two layers.")
+  for k, layer in enumerate(b.layers):
+    if len(layer) != len(b.params):
+      raise ScheduleError(f"Bucket {b.id} layer {k} has {len(layer)} parameters; layer 0 has "
+                          f"{len(b.params)}.")
+    for path, first in zip(layer, b.params):
+      if path in by_path and tuple(by_path[path].shape) != tuple(by_path[first].shape):
+        raise ScheduleError(f"Bucket {b.id} layer {k}: {path} has shape "
+                            f"{list(by_path[path].shape)}, but its layer-0 counterpart {first} "
+                            f"has {list(by_path[first].shape)}.")
+
+
+def loop_length(s, b) -> int:
+  """Layers a stacked bucket is gathered for, one per loop iteration."""
+  bucket = s.buckets[b]
+  return len(bucket.layers) if bucket.layers else s.param(bucket.params[0]).shape[0]
 
 
 def _check_segments(s):
@@ -210,10 +240,17 @@ class _Simulator:
     if not stacked:
       raise ScheduleError(f"{where}: loop over segment {k}, which has no stacked bucket; a "
                           f"segment without one is a plain compute step.")
-    lengths = {self.s.param(p).shape[0] for b in stacked for p in self.s.buckets[b].params}
+    lengths = {loop_length(self.s, b) for b in stacked}
+    lengths |= {self.s.param(p).shape[0] for b in stacked if not self.s.buckets[b].layers
+                for p in self.s.buckets[b].params}
     if lengths != {step.length}:
       raise ScheduleError(f"{where}: loop length {step.length}, but the stacked parameters "
                           f"of segment {k} have {sorted(lengths)} layers.")
+    rolled = {bool(self.s.buckets[b].layers) for b in stacked}
+    if rolled == {True, False} or (rolled == {True} and (seg.end - seg.start) % step.length):
+      raise ScheduleError(f"{where}: a rolled loop's segment must hold only rolled buckets "
+                          f"and a whole number of layers ({step.length} layers, ops "
+                          f"[{seg.start}, {seg.end})).")
     expected_body = self._loop_body_ops(stacked, k, phase)
     found = [(st.op, st.segment if st.op == "compute" else st.bucket) for st in step.body]
     if found != expected_body:
@@ -305,8 +342,7 @@ class _Simulator:
   def _secondary_bytes(self, b) -> int:
     """One gather's bytes over S (its rows on this device's shard position), times the
     layers for a stacked bucket (the loop keeps every layer's)."""
-    layers = self.s.param(self.s.buckets[b].params[0]).shape[0] if self.s.buckets[b].stacked \
-        else 1
+    layers = loop_length(self.s, b) if self.s.buckets[b].stacked else 1
     return layers * (self.bytes[b] // self.s.shards)
 
   def _keep_secondary(self, b, phase, where):
