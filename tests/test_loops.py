@@ -360,11 +360,13 @@ def test_adamw_state_is_per_layer_sharded():
 
 
 def test_compile_time_script_runs():
-  """examples/scan_compile_time.py at tiny size (structure only, never speed)."""
+  """examples/depth_compile_time.py at tiny size (structure only, never speed)."""
   root = pathlib.Path(__file__).resolve().parents[1]
-  done = subprocess.run([sys.executable, "scan_compile_time.py", "--layers", "1", "2",
+  done = subprocess.run([sys.executable, "depth_compile_time.py", "--layers", "1", "2",
                          "--d-model", "32"], cwd=root / "examples", capture_output=True,
                         text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-2000:]
-  rows = done.stdout.splitlines()[2:]
-  assert [r.split()[0] for r in rows] == ["1", "2"] and all(len(r.split()) == 5 for r in rows)
+  rows = [r.split() for r in done.stdout.splitlines()[2:]]
+  assert [(r[0], r[1]) for r in rows] == [(str(n), v) for n in (1, 2) for v in
+                                          ("rolled", "unrolled", "scanned", "gspmd")]
+  assert all(len(r) == 7 for r in rows)

@@ -1,0 +1,326 @@
+"""Automatic layer rolling: an unrolled model's identical layers run as one loop step.
+
+Parity against plain JAX / optax and against the same model not rolled; the compiled
+program's while bodies against the schedule; what is rolled and what is not (and why);
+checkpoints across rolled and unrolled schedules; schedule files."""
+
+import dataclasses
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import assert_parity, assert_trees_close, mesh_of, run_zjax
+from test_train import reference_run
+
+import zjax
+from zjax._src import hlo, ir
+from zjax.models.gpt import GPT, GPTConfig, make_loss_fn
+
+ROLL = zjax.ZeroConfig(param_persistence_threshold=1024)
+UNROLL = dataclasses.replace(ROLL, roll_layers=False)
+ADAMW = optax.adamw(1e-2, eps=1e-6)  # see test_train.py for the eps
+# After Adam steps, rolled or not: Adam's m/sqrt(v) turns last-bit reduction-order
+# differences of near-zero gradient elements into ~3e-5 parameter differences (as in
+# test_hsdp.py); gradients are compared at atol 1e-6, losses at rtol 1e-5.
+PARAM_ATOL = 5e-5
+
+
+def gpt(n_layer, d_model=32, **kw):
+  cfg = GPTConfig(n_layer=n_layer, d_model=d_model, n_head=4, d_ff=4 * d_model, seq_len=16,
+                  **kw)
+  model = GPT(cfg)
+  tokens = jax.random.randint(jax.random.key(0), (8, cfg.seq_len + 1), 0, cfg.vocab_size)
+  return make_loss_fn(model), model.init(jax.random.key(1), tokens[:, :-1]), {"tokens": tokens}
+
+
+def loops(schedule):
+  return [st for st in schedule.forward if st.op == ir.LOOP_OP]
+
+
+def rolled_lengths(schedule):
+  return [st.length for st in loops(schedule)]
+
+
+class Block(nn.Module):
+  width: int
+  rate: float = 0.0
+
+  @nn.compact
+  def __call__(self, x, shared):
+    h = nn.gelu(nn.Dense(self.width, name="up")(nn.LayerNorm()(x)))
+    h = nn.Dropout(self.rate, deterministic=False)(h)
+    return x + nn.Dense(x.shape[-1], name="down")(h) + 0.1 * jnp.tanh(x @ shared)
+
+
+class Net(nn.Module):
+  """Unrolled blocks sharing one weight (a loop const), with input and head layers."""
+  widths: tuple = (64, 64, 64, 64)
+  rate: float = 0.0
+  remat: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    shared = self.param("shared", nn.initializers.normal(0.1), (32, 32))
+    x = nn.Dense(32, name="inp")(x)
+    block = nn.remat(Block) if self.remat else Block
+    for i, width in enumerate(self.widths):
+      x = block(width, self.rate, name=f"block_{i}")(x, shared)
+    return nn.Dense(8, name="head")(x)
+
+
+def net(**kw):
+  model = Net(**kw)
+  x = jax.random.normal(jax.random.key(0), (16, 32))
+  y = jax.random.normal(jax.random.key(1), (16, 8))
+  params = model.init({"params": jax.random.key(2)}, x)["params"]
+
+  def loss(p, b):
+    out = model.apply({"params": p}, b["x"], rngs={"dropout": b["key"]})
+    return jnp.mean((out - b["y"]) ** 2)
+
+  return loss, params, {"x": x, "y": y, "key": jax.random.key(5)}
+
+
+NET = zjax.ZeroConfig(param_persistence_threshold=100)
+
+
+def assert_rolled_equals_unrolled(loss, params, batch, config, rtol=1e-5, atol=1e-6):
+  rolled = run_zjax(loss, params, batch, config=config)
+  unrolled = run_zjax(loss, params, batch,
+                      config=dataclasses.replace(config, roll_layers=False))
+  assert loops(rolled[0]) and not loops(unrolled[0])
+  np.testing.assert_allclose(rolled[1], unrolled[1], rtol=rtol, atol=atol)
+  assert_trees_close(rolled[2], unrolled[2], rtol=rtol, atol=atol)
+  return rolled[0]
+
+
+# ---- parity -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [8, 4])
+def test_unrolled_gpt_rolls_and_its_gradients_equal_plain_jax(n):
+  schedule, _ = assert_parity(*gpt(4), n=n, config=ROLL)
+  assert rolled_lengths(schedule) == [4]
+  assert schedule.rolling == ("rolled ops [8, 344): 4 layers of 84 ops (['params']['block_0'] "
+                              ".. ['params']['block_3'])",)
+  # the tied embedding (read before and after the blocks) stays a regular bucket
+  embed = schedule.param("['params']['embed']['embedding']")
+  assert not schedule.buckets[embed.bucket].stacked
+  rolled = [b for b in schedule.buckets if b.layers]
+  assert len(rolled) == 3 and all(len(b.layers) == 4 for b in rolled)
+  # attn/out (32 x 32) is persistent: stacked whole per layer, not gathered
+  assert schedule.param("['params']['block_2']['attn']['out']['kernel']").persistent
+  assert rolled[0].layers[3] == ("['params']['block_3']['attn']['qkv']['kernel']",)
+
+
+@pytest.mark.parametrize("n_layer", [4, 16])
+def test_gpt_trains_like_optax_rolled_or_not(n_layer):
+  loss, params, batch = gpt(n_layer)
+  batches = [batch] * 5
+  ref_params, ref_losses = reference_run(loss, ADAMW, params, batches)
+  for config in (ROLL, UNROLL):
+    mesh = mesh_of(8)
+    schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=config)
+    assert rolled_lengths(schedule) == ([n_layer] if config.roll_layers else [])
+    trainer = zjax.zero3(loss, ADAMW, schedule, mesh=mesh)
+    state, losses = trainer.init(params), []
+    for b in batches:
+      state, metrics = trainer.step(state, b)
+      losses.append(metrics["loss"])
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(trainer.gather_params(state), ref_params, rtol=1e-5, atol=PARAM_ATOL)
+
+
+class NNXNet(nnx.Module):
+  def __init__(self, rngs, widths=(48, 48, 48)):
+    self.inp = nnx.Linear(16, 48, rngs=rngs)
+    self.layers = nnx.List([nnx.Linear(48, w, rngs=rngs) for w in widths])
+    self.norms = nnx.List([nnx.LayerNorm(w, rngs=rngs) for w in widths])
+    self.out = nnx.Linear(48, 4, rngs=rngs)
+
+  def __call__(self, x):
+    x = self.inp(x)
+    for layer, norm in zip(self.layers, self.norms):
+      x = x + jax.nn.tanh(norm(layer(x)))
+    return self.out(x)
+
+
+def test_nnx_unrolled_layers_roll():
+  model = NNXNet(nnx.Rngs(0))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss(p, b):
+    return jnp.mean((nnx.merge(graphdef, p, rest)(b["x"]) - b["y"]) ** 2)
+
+  batch = {"x": jax.random.normal(jax.random.key(0), (16, 16)),
+           "y": jax.random.normal(jax.random.key(1), (16, 4))}
+  for n in (8, 4):
+    schedule, _ = assert_parity(loss, params, batch, n=n, config=NET)
+    assert rolled_lengths(schedule) == [3]
+
+
+def test_only_the_identical_layers_roll():
+  loss, params, batch = net(widths=(64, 64, 64, 128))
+  schedule, _ = assert_parity(loss, params, batch, config=NET)
+  assert rolled_lengths(schedule) == [3]
+  assert any("not rolled" in note and "['block_3']" in note for note in schedule.rolling)
+  loss, params, batch = net(widths=(64, 64, 128, 64, 64, 64))
+  schedule, _ = assert_parity(loss, params, batch, n=4, config=NET)
+  assert rolled_lengths(schedule) == [2, 3]
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
+def test_shared_weight_and_remat_blocks(remat):
+  schedule, _ = assert_parity(*net(remat=remat), config=NET)
+  assert rolled_lengths(schedule) == [4]
+  shared = schedule.param("['shared']")
+  assert not schedule.buckets[shared.bucket].stacked  # a loop const: gathered once
+
+
+def test_dropout_blocks_draw_the_same_masks_rolled_or_not():
+  """Flax folds a hash of each block's name into its dropout key: a per-layer constant
+  that the loop takes as a per-iteration input."""
+  schedule = assert_rolled_equals_unrolled(*net(rate=0.3), NET)
+  assert rolled_lengths(schedule) == [4]
+
+
+def test_bf16_compute_rolled_equals_unrolled():
+  config = dataclasses.replace(ROLL, compute_dtype=jnp.bfloat16)
+  assert_rolled_equals_unrolled(*gpt(4), config, rtol=2e-2, atol=2e-3)
+
+
+def test_frozen_blocks_split_the_run():
+  loss, params, batch = net(widths=(64,) * 6)
+  config = NET
+  mesh = mesh_of(8)
+  frozen = lambda path: "block_2" in path  # noqa: E731
+  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=config,
+                                   frozen=frozen)
+  assert rolled_lengths(schedule) == [2, 3]
+  assert any("frozen flag" in note for note in schedule.rolling)
+  step = zjax.value_and_grad(loss, schedule, mesh=mesh)
+  got, grads = step(zjax.shard(params, schedule, mesh), batch)
+  want, ref = jax.value_and_grad(loss)(params, batch)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  ref = jax.tree_util.tree_map_with_path(
+      lambda path, g: jnp.zeros_like(g) if frozen(jax.tree_util.keystr(path)) else g, ref)
+  assert_trees_close(zjax.unshard(grads, schedule), ref)
+
+
+@pytest.mark.parametrize("layout", ["hsdp", "hpz"])
+def test_rolled_layers_on_a_two_axis_mesh(layout):
+  config = dataclasses.replace(ROLL, replicate_axes=("data",),
+                               secondary_partition=layout == "hpz")
+  mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
+  loss, params, batch = gpt(4)
+  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=config)
+  assert rolled_lengths(schedule) == [4]
+  step = zjax.value_and_grad(loss, schedule, mesh=mesh)
+  got, grads = step(zjax.shard(params, schedule, mesh), batch)
+  want, ref = jax.value_and_grad(loss)(params, batch)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  assert_trees_close(zjax.unshard(grads, schedule), ref)
+  executed = hlo.executed(step.lower(zjax.shard(params, schedule, mesh), batch)
+                          .compile().as_text())
+  assert executed["all_gather_count"] == schedule.report()["all_gather_count"]
+
+
+# ---- the compiled program ----------------------------------------------------------------
+
+def test_while_bodies_hold_one_layers_collectives():
+  schedule, _, _, compiled = run_zjax(*gpt(4), config=ROLL)
+  text, report = compiled.as_text(), schedule.report()
+  bodies = hlo.while_loops(text)
+  in_bodies = {}
+  for c in hlo.collectives(text):
+    if c.computation in bodies:
+      in_bodies.setdefault(c.computation, []).append(c.kind)
+  expected = sorted((loop["length"] - loop["prefetch"], loop["all_gather_count_per_iteration"],
+                     loop["reduce_scatter_count_per_iteration"]) for loop in report["loops"])
+  found = sorted((bodies[b], kinds.count("all_gather"), kinds.count("reduce_scatter"))
+                 for b, kinds in in_bodies.items())
+  assert found == expected and [x[1] for x in found] == [3, 3]  # one layer's 3 kernels
+  executed = hlo.executed(text)
+  for kind in ("all_gather", "reduce_scatter"):
+    assert executed[f"{kind}_count"] == report[f"{kind}_count"], kind
+    assert executed[f"{kind}_bytes"] == report[f"{kind}_bytes"], kind
+
+
+def _compiled(n_layer, config):
+  mesh = mesh_of(8)
+  loss, params, batch = gpt(n_layer)
+  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=config)
+  sharded = zjax.shard(params, schedule, mesh)
+  return zjax.value_and_grad(loss, schedule, mesh=mesh).lower(sharded, batch).compile()
+
+
+def test_program_does_not_grow_with_depth_and_temp_stays_below_unrolled():
+  """What makes compile time flat: the rolled program's text holds the same collectives at
+  any depth. Per-device temp: rolled <= unrolled."""
+  shallow, deep = _compiled(4, ROLL), _compiled(12, ROLL)
+  count = lambda c: len(hlo.collectives(c.as_text()))  # noqa: E731
+  assert count(shallow) == count(deep)
+  unrolled = _compiled(12, UNROLL)
+  assert count(unrolled) > count(deep)
+  temp = lambda c: c.memory_analysis().temp_size_in_bytes  # noqa: E731
+  assert temp(deep) <= temp(unrolled)
+
+
+# ---- what is not rolled, files, checkpoints --------------------------------------------
+
+def test_nothing_repeats_says_so():
+  params = {"a": jnp.ones((64, 32)), "b": jnp.ones((32, 16))}
+  schedule = zjax.compile_schedule(lambda p, x: jnp.mean(jnp.tanh(x @ p["a"]) @ p["b"]),
+                                   params, jnp.ones((8, 64)), num_devices=8, config=NET)
+  assert schedule.rolling == ("no repeated layers",) and not loops(schedule)
+  off = zjax.compile_schedule(*gpt(2), num_devices=8, config=UNROLL)
+  assert off.rolling == ("layer rolling is off (ZeroConfig.roll_layers=False)",)
+  with pytest.raises(ValueError, match="ZeroConfig.roll_layers must be True or False"):
+    zjax.ZeroConfig(roll_layers="yes")
+
+
+def test_a_layer_reading_another_layers_weight_is_not_rolled():
+  k = jax.random.split(jax.random.key(0), 5)
+  params = {f"w{i}": jax.random.normal(k[i], (32, 32)) / 6 for i in range(4)}
+
+  def loss(p, x):  # layer i also reads layer i-1's weight: not a loop
+    for i in range(4):
+      x = jnp.tanh(x @ p[f"w{i}"]) + (0.1 * x @ p[f"w{i - 1}"] if i else 0.0)
+    return jnp.mean(x ** 2)
+
+  x = jax.random.normal(k[4], (16, 32))
+  schedule, _ = assert_parity(loss, params, x, config=NET)
+  assert not any(note.startswith("rolled") for note in schedule.rolling)
+
+
+def test_schedule_file_round_trip_and_edited_layers():
+  schedule = zjax.compile_schedule(*gpt(3), num_devices=8, config=ROLL)
+  again = zjax.Schedule.from_json(schedule.to_json())
+  assert again == schedule and again.rolling == schedule.rolling
+  data = json.loads(schedule.to_json())
+  rolled = next(b for b in data["buckets"] if b["layers"])
+  rolled["layers"][2] = rolled["layers"][1]
+  with pytest.raises(zjax.ScheduleError, match="lists a parameter in two layers"):
+    zjax.Schedule.from_json(json.dumps(data))
+
+
+def test_checkpoint_saved_rolled_restores_unrolled_and_back(tmp_path):
+  loss, params, batch = gpt(4)
+  mesh = mesh_of(8)
+  trainers = {c.roll_layers: zjax.zero3(loss, ADAMW, zjax.compile_schedule(
+      loss, params, batch, mesh=mesh, config=c), mesh=mesh) for c in (ROLL, UNROLL)}
+  for saved, restored in ((True, False), (False, True)):
+    state, _ = trainers[saved].step(trainers[saved].init(params), batch)
+    with zjax.CheckpointManager(tmp_path / str(saved), trainers[saved]) as ckpt:
+      ckpt.save(1, state)
+    back = zjax.CheckpointManager(tmp_path / str(saved)).restore(trainers[restored])
+    for a, b in zip(jax.tree.leaves(trainers[saved].gather_params(state)),
+                    jax.tree.leaves(trainers[restored].gather_params(back))):
+      np.testing.assert_array_equal(a, b)
+    _, m1 = trainers[saved].step(state, batch)
+    _, m2 = trainers[restored].step(back, batch)
+    np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-6)
