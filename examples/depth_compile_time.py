@@ -13,16 +13,13 @@ divisible by N. Wall times on this machine: compare within one run.
 
 import argparse
 import json
-import os
 import time
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_disable_hlo_passes=cse_barrier_expander").strip()
+from zjax.cli import devices
+
+devices.setup(8)  # before JAX starts: 8 simulated devices, CPU ordering flags
 
 import jax  # noqa: E402
-
-jax.config.update("jax_num_cpu_devices", 8)
-
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import zjax  # noqa: E402

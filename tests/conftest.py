@@ -6,9 +6,12 @@ import os
 import pathlib
 import sys
 
-_FLAG = "--xla_disable_hlo_passes=cse_barrier_expander"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+# zjax.cli.devices.CPU_ORDERING_FLAGS (not imported: importing zjax first is not needed here)
+_FLAGS = ("--xla_disable_hlo_passes=cse_barrier_expander",
+          "--xla_cpu_copy_insertion_use_region_analysis=true")
+for _flag in _FLAGS:
+  if _flag not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
 import jax  # noqa: E402  (must follow the XLA_FLAGS update)
 

@@ -15,10 +15,10 @@ def test_bench_runs_and_writes_json_and_plots(tmp_path):
   assert done.returncode == 0, done.stderr[-3000:]
   results = json.loads((tmp_path / "bench.json").read_text())
   methods = [r["method"] for r in results["compare"]]
-  assert methods == ["zjax", "zjax_scanned", "gspmd_fsdp", "data_parallel", "zjax_hsdp",
-                     "zjax_hpz", "gspmd_hsdp"]
+  assert methods == ["zjax_rolled", "zjax_unrolled", "zjax_scanned", "gspmd_fsdp",
+                     "data_parallel", "zjax_hsdp", "zjax_hpz", "gspmd_hsdp"]
   rows = {r["method"]: r for r in results["compare"]}
-  for name in ("zjax", "zjax_scanned", "zjax_hsdp", "zjax_hpz"):  # as the schedule says
+  for name in ("zjax_rolled", "zjax_unrolled", "zjax_scanned", "zjax_hsdp", "zjax_hpz"):
     r = rows[name]
     assert (r["all_gather_bytes"], r["reduce_scatter_bytes"]) == \
         (r["predicted_all_gather_bytes"], r["predicted_reduce_scatter_bytes"])
@@ -28,8 +28,11 @@ def test_bench_runs_and_writes_json_and_plots(tmp_path):
     assert r["state_bytes"] > 0 and r["flops"] > 0
     assert r["compile_seconds"] > 0 and r["setup_seconds"] > 0  # measured apart
   assert {(r["devices"], r["method"]) for r in results["devices"]} == {
-      (n, m) for n in (1, 2) for m in ("zjax", "gspmd_fsdp", "data_parallel")}
-  assert {r["layers"] for r in results["depth"]} == {1, 2}
+      (n, m) for n in (1, 2) for m in ("zjax_rolled", "gspmd_fsdp", "data_parallel")}
+  assert {(r["layers"], r["method"]) for r in results["depth"]} == {
+      (n, m) for n in (1, 2) for m in ("zjax_rolled", "zjax_unrolled", "zjax_scanned",
+                                      "gspmd_fsdp")}
+  assert all(r["compile_seconds"] > 0 for r in results["depth"])
   assert sorted(p.name for p in tmp_path.glob("*.png")) == [
       "memory_vs_depth.png", "memory_vs_devices.png", "step_time.png"]
   assert "time / gspmd" in done.stdout
@@ -41,3 +44,14 @@ def test_bench_bad_input_exits_2(tmp_path):
                         cwd=tmp_path)
   assert done.returncode == 2 and "not divisible" in done.stderr
   assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_sweeps_are_short_by_default_and_long_with_full():
+  from zjax.cli import bench_cmd
+  from zjax.cli.main import build_parser
+  quick = build_parser().parse_args(["bench"])
+  full = build_parser().parse_args(["bench", "--full", "--scale-devices", "8"])
+  for args in (quick, full):
+    bench_cmd.fill_sweep_defaults(args)
+  assert (quick.scale_devices, quick.scale_layers) == ([2, 8], [4, 16])
+  assert (full.scale_devices, full.scale_layers) == ([8], [4, 8, 16, 32, 64])

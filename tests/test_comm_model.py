@@ -16,7 +16,8 @@ from zjax.cli.main import main
 
 # The data axis (across nodes) slow and far, the shard axis (inside a node) fast and near.
 LINKS = {"data": Link(bandwidth=1e4, latency=0.5), "fsdp": Link(bandwidth=4e4, latency=0.1)}
-CONFIG = zjax.ZeroConfig(param_persistence_threshold=0, max_reuse_distance=0)
+CONFIG = zjax.ZeroConfig(param_persistence_threshold=0, max_reuse_distance=0,
+                         roll_layers=False)  # steps of the unrolled planner
 
 
 def test_ring_formulas_by_hand():

@@ -25,6 +25,7 @@ def mlp(num_layers=4, dtype=jnp.float32):
 
 def plan(model=None, n=8, platform=None, **knobs):
   knobs.setdefault("param_persistence_threshold", D)  # biases replicated, kernels sharded
+  knobs.setdefault("roll_layers", False)  # the unrolled planner (rolling: test_rolling.py)
   loss, params, batch = model or mlp()
   return zjax.compile_schedule(loss, params, batch, num_devices=n, platform=platform,
                                config=zjax.ZeroConfig(**knobs))

@@ -224,9 +224,17 @@ def test_rolled_layers_on_a_two_axis_mesh(layout):
   want, ref = jax.value_and_grad(loss)(params, batch)
   np.testing.assert_allclose(got, want, rtol=1e-5)
   assert_trees_close(zjax.unshard(grads, schedule), ref)
-  executed = hlo.executed(step.lower(zjax.shard(params, schedule, mesh), batch)
-                          .compile().as_text())
-  assert executed["all_gather_count"] == schedule.report()["all_gather_count"]
+  compiled = step.lower(zjax.shard(params, schedule, mesh), batch).compile()
+  executed, report = hlo.executed(compiled.as_text()), schedule.report()
+  for kind in ("all_gather", "reduce_scatter"):
+    assert executed[f"{kind}_count"] == report[f"{kind}_count"], kind
+  if layout == "hpz":  # every layer's secondary kept: at most the predicted extra memory
+    flat = dataclasses.replace(ROLL, shard_axes=("data", "fsdp"))
+    flat_schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=flat)
+    flat_temp = zjax.value_and_grad(loss, flat_schedule, mesh=mesh).lower(
+        zjax.shard(params, flat_schedule, mesh), batch).compile().memory_analysis()
+    extra = compiled.memory_analysis().temp_size_in_bytes - flat_temp.temp_size_in_bytes
+    assert 0 < report["secondary_bytes"] and extra <= 1.25 * report["secondary_bytes"]
 
 
 # ---- the compiled program ----------------------------------------------------------------

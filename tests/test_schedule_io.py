@@ -25,7 +25,8 @@ def model(num_layers=3, width=D):
 
 
 CONFIG = zjax.ZeroConfig(param_persistence_threshold=D, prefetch_bucket_size=D * D,
-                         max_reuse_distance=0)
+                         max_reuse_distance=0,
+                         roll_layers=False)  # steps of the unrolled planner
 
 
 @pytest.fixture
@@ -56,7 +57,8 @@ def test_json_is_versioned_and_diff_friendly(schedule):
   assert text.count('{"op": ') == len(schedule.forward) + len(schedule.backward)
   assert list(data) == ["format", "version", "fingerprint", "num_devices", "platform",
                         "replica_sizes", "shard_sizes", "config", "program", "params",
-                        "buckets", "segments", "forward", "backward"]
+                        "buckets", "segments", "rolling", "forward", "backward"]
+  assert data["rolling"] == ["layer rolling is off (ZeroConfig.roll_layers=False)"]
 
 
 def test_planning_is_deterministic():

@@ -5,6 +5,7 @@ Runs with XLA's barrier-removing pass disabled (tests/conftest.py), so that CPU 
 the order a GPU would.
 """
 
+import dataclasses
 import jax
 import jax.numpy as jnp
 import pytest
@@ -29,6 +30,11 @@ def deep_mlp(num_layers=8):
 
   batch = {"x": jax.random.normal(jax.random.key(99), (8, D)), "y": jnp.ones((8, D))}
   return loss, params, batch
+
+
+def UNROLLED(config, unrolled=True):  # noqa: N802
+  """The config with layer rolling off: what the unrolled planner's knobs do."""
+  return dataclasses.replace(config, roll_layers=not unrolled)
 
 
 def compiled_summary(model, config, n=8):
@@ -132,26 +138,31 @@ def test_one_device_has_no_collectives():
 
 
 def test_max_reuse_distance_changes_backward_gathers_as_predicted():
-  keep = compiled_summary(deep_mlp(), CONFIGS["keep-all"])
-  release = compiled_summary(deep_mlp(), CONFIGS["no-prefetch"])
+  keep = compiled_summary(deep_mlp(), UNROLLED(CONFIGS["keep-all"]))
+  release = compiled_summary(deep_mlp(), UNROLLED(CONFIGS["no-prefetch"]))
   assert keep[1]["backward_all_gather_count"] == 0
   assert release[1]["backward_all_gather_count"] == 6  # layer 0 needs no weights, 7 is kept
   assert release[2]["all_gather_count"] - keep[2]["all_gather_count"] == 6
 
 
-def test_memory_within_the_predicted_bound():
+@pytest.mark.parametrize("roll", [True, False], ids=["rolled", "unrolled"])
+def test_memory_within_the_predicted_bound(roll):
   """temp <= predicted peak live params + live gradients + one bucket of slack (the packed
-  gradient / gathered buffer being written) + the activations (here ~0: batch of 1 row)."""
+  gradient / gathered buffer being written) + the activations (here ~0: batch of 1 row)
+  + rolled layers' stacked shard and gradient copies."""
   for name, config in CONFIGS.items():
-    _, report, hlo = compiled_summary(deep_mlp(), config)
-    bound = report["peak_live_param_bytes"] + report["peak_live_grad_bytes"] + W1 + 0.05 * W1
+    schedule, report, hlo = compiled_summary(deep_mlp(), UNROLLED(config, not roll))
+    assert bool(report["loop_stack_bytes"]) == roll == bool(report["loops"])
+    bound = (report["peak_live_param_bytes"] + report["peak_live_grad_bytes"] +
+             report["loop_stack_bytes"] + W1 + 0.05 * W1)
     assert hlo["temp_bytes"] <= bound, (name, hlo["temp_bytes"] / W1, bound / W1)
 
 
 def test_lower_max_live_parameters_lowers_memory():
-  keep = compiled_summary(deep_mlp(), CONFIGS["keep-all"])[2]["temp_bytes"]
+  keep = compiled_summary(deep_mlp(), UNROLLED(CONFIGS["keep-all"]))[2]["temp_bytes"]
   capped = compiled_summary(deep_mlp(), zjax.ZeroConfig(
-      param_persistence_threshold=0, max_live_parameters=2 * D * D))[2]["temp_bytes"]
+      param_persistence_threshold=0, max_live_parameters=2 * D * D, roll_layers=False)
+  )[2]["temp_bytes"]
   assert capped < 0.55 * keep  # 4 layers of weights instead of 8
   assert capped <= 4.1 * W1  # 2 live layers + 1 gradient + 1 bucket of slack
 
@@ -159,7 +170,7 @@ def test_lower_max_live_parameters_lowers_memory():
 def test_residuals_hold_no_gathered_parameters():
   """What backward keeps from forward (argument + temp) does not grow with the gathered
   parameters: with nothing kept across the turn, memory is ~3 layers, not ~8."""
-  _, _, hlo = compiled_summary(deep_mlp(), CONFIGS["no-prefetch"])
+  _, _, hlo = compiled_summary(deep_mlp(), UNROLLED(CONFIGS["no-prefetch"]))
   assert hlo["temp_bytes"] < 3.1 * W1
 
 

@@ -152,20 +152,22 @@ def executed_by_axis(hlo_text: str, mesh_shape: dict) -> dict:
 
 
 def summarize(compiled) -> dict:
-  """Counts and bytes per collective kind, and per-device memory, of a compiled program.
+  """Counts and bytes per collective kind, as executed (a while body's once per iteration,
+  see `executed`), and per-device memory, of a compiled program.
 
   Example:
     >>> summary = summarize(jax.jit(f).lower(x).compile())    # doctest: +SKIP
     >>> summary["all_gather_count"], summary["temp_bytes"]      # doctest: +SKIP
   """
   out = {}
-  colls = collectives(compiled.as_text())
+  text = compiled.as_text()
+  colls = collectives(text)
+  done = executed(text)
   for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all",
                "collective_permute"):
-    sizes = [c.bytes for c in colls if c.kind == kind]
-    out[f"{kind}_count"] = len(sizes)
-    out[f"{kind}_bytes"] = sum(sizes)
-    out[f"max_{kind}_bytes"] = max(sizes, default=0)
+    out[f"{kind}_count"] = done.get(f"{kind}_count", 0)
+    out[f"{kind}_bytes"] = done.get(f"{kind}_bytes", 0)
+    out[f"max_{kind}_bytes"] = max((c.bytes for c in colls if c.kind == kind), default=0)
   memory = compiled.memory_analysis()
   out.update(temp_bytes=int(memory.temp_size_in_bytes),
              argument_bytes=int(memory.argument_size_in_bytes),

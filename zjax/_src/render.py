@@ -29,7 +29,8 @@ def render_schedule(s, sim) -> str:
         rows.append(_step_row(s, sim, phase, i, step, live_after))
   if len(s.config.data_axes) == 1:  # every collective spans the one axis: no column
     rows = [r[:3] + r[4:] for r in rows]
-  return head + "\n" + table(rows)
+  rolling = "".join(f"\nlayer rolling: {note}" for note in s.rolling)
+  return head + "\n" + table(rows) + rolling
 
 
 def _layout_words(s) -> str:
@@ -80,8 +81,9 @@ def _step_row(s, sim, phase, i, step, live_after):
     op = ("re-gather" if phase == "bwd" else "gather") + (" (prefetch)" if step.prefetch else "")
   elif step.op in ("keep_secondary", "drop_secondary"):  # hpZ: 1/S of the gathered bucket
     op, size = op.replace("_", " "), size // s.shards
+  layers = f", layer i of {len(bucket.layers)}" if bucket.layers else ""
   return (str(i), phase, op, _axes_cell(s, step, phase), str(step.bucket),
-          f"{bucket.module or '<root>'} [{names}]", format_bytes(size),
+          f"{bucket.module or '<root>'} [{names}]{layers}", format_bytes(size),
           format_bytes(live_after) if live_after is not None else "")
 
 

@@ -208,8 +208,9 @@ class _Simulator:
       where = f"{phase} step {i}"
       if step.op == ir.LOOP_OP:
         live_after.append(self._loop(step, phase, where, expected))
-        if grad_live is not None:
-          grad_live.append(sum(self.grad_bytes[b] for b in self.pending_grad))
+        if grad_live is not None:  # a layer's gradient is live inside the body
+          grad_live.append(max(self.body_grad_peak,
+                               sum(self.grad_bytes[b] for b in self.pending_grad)))
         continue
       self._check_step_fields(step, phase, where)
       if step.op == "compute":
@@ -261,7 +262,7 @@ class _Simulator:
     if len(prefetch) != 1:
       raise ScheduleError(f"{where}: the body's gathers must all prefetch or none.")
     self.in_loop = True
-    peak, peak_elements = 0, 0
+    peak, peak_elements, self.body_grad_peak = 0, 0, 0
     for j, st in enumerate(step.body):
       inner = f"{where} body step {j}"
       if st.op == "compute":
@@ -269,6 +270,8 @@ class _Simulator:
       else:
         getattr(self, "_" + st.op)(st.bucket, phase, inner)
       peak = max(peak, sum(self.bytes[b] for b in self.live))
+      self.body_grad_peak = max(self.body_grad_peak,
+                                sum(self.grad_bytes[b] for b in self.pending_grad))
       peak_elements = max(peak_elements, sum(self.elements[b] for b in self.live))
     self.in_loop = False
     if prefetch == {True}:  # the next layer arrives while this one is in use

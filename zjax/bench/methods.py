@@ -1,8 +1,10 @@
 """The methods `zjax bench` compares, each a compiled training step (loss, gradients and an
 optax adamw update) on the same mesh and batch:
 
-  zjax           the zero3 trainer running the model's schedule (unrolled layers)
-  zjax_scanned   the same with the layers stacked by nn.scan (per-iteration gathers)
+  zjax_rolled    the zero3 trainer running the model's schedule, identical layers rolled
+                 into loops (ZeroConfig.roll_layers, zjax's default)
+  zjax_unrolled  the same with roll_layers=False: one segment per layer
+  zjax_scanned   the model with its layers stacked by nn.scan (GPT; per-iteration gathers)
   gspmd_fsdp     JAX's default FSDP: every parameter sharded along its largest dimension
                  divisible by N, the batch sharded, jax.jit(value_and_grad + optax); XLA
                  inserts the collectives

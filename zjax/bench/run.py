@@ -78,10 +78,21 @@ def target_model(spec: str) -> Model:
                jax.tree.map(concrete, target.batch), target.config or zjax.ZeroConfig())
 
 
-def build_methods(model: Model, mesh, optimizer, scanned=True, hybrid=False) -> list:
-  methods = [("zjax", lambda: zjax_method("zjax", model.loss_fn, model.params, model.batch,
-                                          mesh, model.config, optimizer))]
-  if scanned and model.scanned is not None:
+# Rows of the depth sweep and of the device sweep (the main table has every method).
+DEPTH_METHODS = ("zjax_rolled", "zjax_unrolled", "zjax_scanned", "gspmd_fsdp")
+DEVICE_METHODS = ("zjax_rolled", "gspmd_fsdp", "data_parallel")
+
+
+def build_methods(model: Model, mesh, optimizer, hybrid=False, only=None) -> list:
+  """The methods on `mesh` (`only`: names to build, default all): zjax with its layers
+  rolled into loops (the default) and not, scanned (GPT), GSPMD FSDP, data parallel, and
+  with `hybrid` the 2 x N/2 mesh rows."""
+  rolled = dataclasses.replace(model.config, roll_layers=True)
+  unrolled = dataclasses.replace(model.config, roll_layers=False)
+  methods = [(name, lambda name=name, config=config: zjax_method(
+      name, model.loss_fn, model.params, model.batch, mesh, config, optimizer))
+      for name, config in (("zjax_rolled", rolled), ("zjax_unrolled", unrolled))]
+  if model.scanned is not None:
     s = model.scanned
     methods.append(("zjax_scanned", lambda: zjax_method(
         "zjax_scanned", s.loss_fn, s.params, s.batch, mesh, s.config, optimizer)))
@@ -102,7 +113,7 @@ def build_methods(model: Model, mesh, optimizer, scanned=True, hybrid=False) -> 
         for name, config in (("zjax_hsdp", hsdp), ("zjax_hpz", hpz))]
     methods.append(("gspmd_hsdp", lambda: gspmd_method(
         "gspmd_hsdp", model.loss_fn, model.params, model.batch, mesh2d, optimizer, True)))
-  return [make() for _, make in methods]
+  return [make() for name, make in methods if only is None or name in only]
 
 
 def compare(model: Model, mesh, rounds: int, steps_per_round: int) -> list[dict]:
@@ -183,7 +194,7 @@ def scale_devices(model: Model, counts) -> list[dict]:
   rows = []
   for n in counts:
     mesh = mesh_of(n)
-    for method in build_methods(model, mesh, optax.adamw(1e-3), scanned=False):
+    for method in build_methods(model, mesh, optax.adamw(1e-3), only=DEVICE_METHODS):
       row = _measured(method)
       rows.append({"devices": n, "method": method.name, "state_bytes": row["state_bytes"],
                    "temp_bytes": row["temp_bytes"]})
@@ -191,10 +202,12 @@ def scale_devices(model: Model, counts) -> list[dict]:
 
 
 def scale_depth(make_model, depths, mesh) -> list[dict]:
-  """Per-device temp of each method for each depth (compile only)."""
+  """Per-device temp, setup and compile time of each method for each depth (compile
+  only)."""
   rows = []
   for depth in depths:
-    for method in build_methods(make_model(depth), mesh, optax.adamw(1e-3)):
+    for method in build_methods(make_model(depth), mesh, optax.adamw(1e-3),
+                                only=DEPTH_METHODS):
       rows.append({"layers": depth, "method": method.name,
                    "temp_bytes": int(method.compiled.memory_analysis().temp_size_in_bytes),
                    "setup_seconds": method.setup_seconds,

@@ -5,6 +5,10 @@ import pathlib
 
 from zjax.cli import devices
 
+# Sweep defaults: quick (minutes on a 2-core CPU) and --full.
+QUICK = {"scale_devices": [2, 8], "scale_layers": [4, 16]}
+FULL = {"scale_devices": [1, 2, 4, 8], "scale_layers": [4, 8, 16, 32, 64]}
+
 
 def add_parser(subparsers) -> None:
   p = subparsers.add_parser(
@@ -19,21 +23,34 @@ def add_parser(subparsers) -> None:
   p.add_argument("--layers", type=int, default=8, help="GPT layers")
   p.add_argument("--d-model", type=int, default=128, help="GPT width")
   p.add_argument("--batch", type=int, default=16, help="GPT global batch (sequences)")
-  p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (each "
+  p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (each "
                  "method once per round); times are medians over rounds")
-  p.add_argument("--steps-per-round", type=int, default=3, help="steps timed per method and "
+  p.add_argument("--steps-per-round", type=int, default=2, help="steps timed per method and "
                  "round")
-  p.add_argument("--scale-devices", type=int, nargs="*", default=[1, 2, 4, 8],
-                 help="device counts of the state-vs-N sweep (empty: skip)")
-  p.add_argument("--scale-layers", type=int, nargs="*", default=[4, 8, 16, 32],
-                 help="depths of the temp-vs-L sweep, GPT only (empty: skip)")
+  p.add_argument("--scale-devices", type=int, nargs="*", default=None,
+                 help=f"device counts of the state-vs-N sweep (default {QUICK['scale_devices']}"
+                      f", with --full {FULL['scale_devices']}; empty: skip)")
+  p.add_argument("--scale-layers", type=int, nargs="*", default=None,
+                 help=f"depths of the temp- and compile-time-vs-L sweep, GPT only (default "
+                      f"{QUICK['scale_layers']}, with --full {FULL['scale_layers']}; empty: "
+                      f"skip)")
+  p.add_argument("--full", action="store_true", help="the long sweeps (tens of minutes on "
+                 "a 2-core CPU); the defaults finish in minutes")
   p.add_argument("--json", metavar="FILE", default="bench.json",
                  help="where the results go (JSON)")
   p.add_argument("--plots", metavar="DIR", default=".", help="where the PNGs go")
   p.set_defaults(run=run)
 
 
+def fill_sweep_defaults(args) -> None:
+  """Sweeps not given on the command line: quick ones, or with --full the long ones."""
+  for name, value in (FULL if args.full else QUICK).items():
+    if getattr(args, name) is None:
+      setattr(args, name, list(value))
+
+
 def run(args) -> int:
+  fill_sweep_defaults(args)
   for name in ("devices", "layers", "d_model", "batch", "rounds", "steps_per_round"):
     if getattr(args, name) < 1:
       raise ValueError(f"--{name.replace('_', '-')} must be a positive integer.")
