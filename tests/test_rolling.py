@@ -6,6 +6,7 @@ checkpoints across rolled and unrolled schedules; schedule files."""
 
 import dataclasses
 import json
+import pathlib
 
 import flax.linen as nn
 import jax
@@ -332,3 +333,17 @@ def test_checkpoint_saved_rolled_restores_unrolled_and_back(tmp_path):
     _, m1 = trainers[saved].step(state, batch)
     _, m2 = trainers[restored].step(back, batch)
     np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-6)
+
+
+def test_inspect_and_train_flags(tmp_path, capsys):
+  from zjax.cli.main import build_parser, main
+  for flag, rolled in (("--roll-layers", True), ("--no-roll-layers", False)):
+    path = tmp_path / f"{rolled}.json"
+    target = str(pathlib.Path(__file__).resolve().parents[1] / "examples/gpt.py")
+    assert main(["inspect", target + ":inspect_gpt", "--devices", "8", "--summary",
+                 "--save", str(path), flag]) == 0
+    notes = json.loads(path.read_text())["rolling"]
+    assert notes[0].startswith("rolled ops") == rolled
+  capsys.readouterr()
+  args = build_parser().parse_args(["train", "--no-roll-layers"])
+  assert args.roll_layers is False

@@ -217,6 +217,8 @@ class _State:
     self.vjps: dict[int, tuple] = {}
     self.cts: dict[int, Any] = {}
     self.full_grads: dict[int, Any] = {}  # param index -> accumulated full gradient
+    # rolled layers' persistent parameters: per-layer indices -> stacked full gradient
+    self.stacked_grads: dict[tuple, Any] = {}
     self.shard_grads: dict[int, Any] = {}
 
   # ---- values --------------------------------------------------------------------------
@@ -357,6 +359,9 @@ class _State:
         self.anchor = ct
     for i, chunks in loop.shard_grads(grads).items():
       self.add_shard_grad(i, chunks)
+    for layers, ct in loop.stacked_param_cotangents(ct_inputs):
+      if ir.has_gradient(self.dp.s.params[layers[0]]):  # kept stacked until averaged
+        self.stacked_grads[layers] = ct
 
   # ---- backward --------------------------------------------------------------------------
   def start_backward(self, loss_id, loss):
@@ -414,7 +419,12 @@ class _State:
       if entry.persistent and ir.has_gradient(entry) and i in self.full_grads:
         grad = self.full_grads.pop(i).astype(self.dp.reduce_dtype(i))
         persistent[i] = grad.astype(self.dp.wire_dtype(i))  # summed as the backend would
-    persistent = self.mean_over_devices(persistent)
+    stacks = [ct.astype(self.dp.reduce_dtype(layers[0])).astype(self.dp.wire_dtype(layers[0]))
+              for layers, ct in self.stacked_grads.items()]
+    # averaged stacked (one op per rolled parameter, not per layer), then split per layer
+    persistent, stacks = self.mean_over_devices((persistent, stacks))
+    for layers, stack in zip(self.stacked_grads, stacks):
+      persistent.update((i, stack[layer]) for layer, i in enumerate(layers))
     for i, entry in enumerate(s.params):
       if entry.persistent:
         grad = persistent.get(i, jnp.zeros(entry.shape, entry.dtype))
@@ -424,5 +434,3 @@ class _State:
       else:  # unused, frozen or non-float: zero gradient
         out.append(jnp.zeros(layout.local_shape(entry, s.num_devices), entry.dtype))
     return out
-
-

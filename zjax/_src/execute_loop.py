@@ -80,6 +80,11 @@ class Loop:
     return [(a, ct) for a, ct in zip(self.inputs, ct_inputs)
             if ct is not None and isinstance(a, int)]
 
+  def stacked_param_cotangents(self, ct_inputs) -> list:
+    """(per-layer parameter indices, stacked cotangent) of per-layer parameters the loop
+    reads whole (a rolled run's persistent ones); none for a scan."""
+    return []
+
   # ---- one iteration -------------------------------------------------------------------
   def body(self, layers: dict, inputs: list):
     """The scan body on one iteration's values; `layers`: param index -> gathered layer

@@ -56,14 +56,14 @@ class RolledLoop(Loop):
             for layer, i in enumerate(self.layers_of[i0])}
 
   def input_cotangents(self, ct_inputs) -> list:
+    return [(a, ct) for a, ct in zip(self.inputs, ct_inputs[:self.first_xs])
+            if a is not None and ct is not None]
+
+  def stacked_param_cotangents(self, ct_inputs) -> list:
     first_stack = self.first_xs + len(self.run.xs)
-    out = [(a, ct) for a, ct in zip(self.inputs, ct_inputs[:self.first_xs])
-           if a is not None and ct is not None]
-    for p, ct in zip(self.replicated, ct_inputs[first_stack:]):
-      if ct is not None:
-        out += [(self.dp.program.input_ids[i], ct[layer])
-                for layer, i in enumerate(self.run.stacked[p])]
-    return out
+    return [(self.run.stacked[p], ct) for p, ct in zip(self.replicated,
+                                                       ct_inputs[first_stack:])
+            if ct is not None]
 
   def body(self, layers: dict, inputs: list):
     """The first layer's ops on this iteration's values -> (carry out, no ys)."""

@@ -119,7 +119,10 @@ def _layer_names(params, run) -> str:
       while not path.startswith(common):
         common = common[:common.rindex("[")] if "[" in common else ""
     return common or paths[0]
-  return f"{prefix(0)} .. {prefix(run.length - 1)}"
+  first, last = prefix(0), prefix(run.length - 1)
+  if first == last:  # layers that do not start at a module: name a parameter of each
+    first, last = (params[run.stacked[0][layer]].path for layer in (0, run.length - 1))
+  return f"{first} .. {last}"
 
 
 class _Finder:
@@ -292,6 +295,8 @@ class _Wiring:
     layer_params, literal_values = {}, {}
     for j, op in enumerate(self.template):
       other = self.f.ops[base + j]
+      if self.f.sigs[base + j] != self.f.sigs[self.start + j]:
+        return f"op {base + j} ({other.primitive}) of layer {layer}: other ops or shapes"
       for q, (a, b) in enumerate(zip(op.inputs, other.inputs)):
         why = self._match(j, q, a, b, layer, layer_params, literal_values)
         if why:

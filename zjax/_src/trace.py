@@ -146,9 +146,46 @@ def trace_for_schedule(loss_fn, params, batch, config, axis_sizes: dict[str, int
   as_computed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
       np.shape(x), ir.gather_dtype(x.dtype, config.compute_dtype)), params)
   share = int(np.prod(list(axis_sizes.values()), dtype=np.int64))
+  device_batch = per_device_batch(batch, share)
+  stored = [np.dtype(x.dtype) for x in jax.tree.leaves(params)]
+  key = _trace_key(loss_fn, as_computed, device_batch, extra, axis_sizes, stored)
+  if key is not None and key in _TRACES:
+    return _TRACES[key][1]
+  trace = _trace_bound(loss_fn, as_computed, device_batch, extra, axis_sizes)
+  trace = dataclasses.replace(trace, params=tuple(
+      dataclasses.replace(p, dtype=d) for p, d in zip(trace.params, stored)))
+  if key is not None:
+    if len(_TRACES) >= _MAX_TRACES:
+      _TRACES.pop(next(iter(_TRACES)))
+    _TRACES[key] = (loss_fn, trace)  # the function kept alive: its id stays unique
+  return trace
+
+
+# Traces by (loss function, shapes): `compile_schedule` and the executor's lowering trace
+# the same program; a deep unrolled model's Python tracing (Flax's, mostly) then runs once,
+# not twice. Keyed on the function's identity, as jax.jit's own cache is.
+_TRACES: dict = {}
+_MAX_TRACES = 4
+
+
+def _trace_key(loss_fn, params, batch, extra, axis_sizes, stored):
+  def shapes(tree):
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x))))
+                          for x in leaves)
+  try:
+    key = (id(loss_fn), shapes(params), shapes(batch), shapes(extra),
+           tuple(axis_sizes.items()), tuple(stored))
+    hash(key)
+  except TypeError:  # an unhashable treedef (custom nodes): no caching
+    return None
+  return key
+
+
+def _trace_bound(loss_fn, as_computed, device_batch, extra, axis_sizes):
   with data_axis_bound(axis_sizes):
     try:
-      trace = trace_program(loss_fn, as_computed, per_device_batch(batch, share), extra)
+      trace = trace_program(loss_fn, as_computed, device_batch, extra)
     except _UnboundAxisError as e:
       axes = tuple(axis_sizes)
       bound = f"its data axis {axes[0]!r}" if len(axes) == 1 else f"the data axes {axes}"
@@ -157,9 +194,7 @@ def trace_for_schedule(loss_fn, params, batch, config, axis_sizes: dict[str, int
                        f"the model's axis {axes[-1]!r} (e.g. nn.BatchNorm(axis_name="
                        f"{axes[-1]!r})), or set ZeroConfig(axis_name={e.axis!r}) and name "
                        f"the mesh axis {e.axis!r}.") from None
-  stored = [np.dtype(x.dtype) for x in jax.tree.leaves(params)]
-  return dataclasses.replace(trace, params=tuple(
-      dataclasses.replace(p, dtype=d) for p, d in zip(trace.params, stored)))
+  return trace
 
 
 def per_device_batch(batch, num_devices: int):

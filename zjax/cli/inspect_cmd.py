@@ -54,6 +54,9 @@ def add_parser(subparsers) -> None:
                    help=f"override ZeroConfig.{knob} (elements)")
   p.add_argument("--compute-dtype", default=None, help="override ZeroConfig.compute_dtype")
   p.add_argument("--reduce-dtype", default=None, help="override ZeroConfig.reduce_dtype")
+  p.add_argument("--roll-layers", action=argparse.BooleanOptionalAction, default=None,
+                 help="override ZeroConfig.roll_layers (--no-roll-layers: one segment per "
+                      "layer)")
   p.set_defaults(run=run)
 
 
@@ -165,7 +168,7 @@ def format_comparison(rows, links) -> str:
 
 def _config(base: ZeroConfig | None, args) -> ZeroConfig:
   overrides = {k: getattr(args, k) for k in _KNOBS if getattr(args, k) is not None}
-  for name in ("compute_dtype", "reduce_dtype"):
+  for name in ("compute_dtype", "reduce_dtype", "roll_layers"):
     if getattr(args, name) is not None:
       overrides[name] = getattr(args, name)
   return dataclasses.replace(base or ZeroConfig(), **overrides)

@@ -115,7 +115,8 @@ def _setup(settings, mesh):
   block = 4 * settings.d_model ** 2 + 2 * settings.d_model * settings.d_ff
   config = zjax.ZeroConfig(
       prefetch_bucket_size=block, max_reuse_distance=block, param_persistence_threshold=4096,
-      compute_dtype="bfloat16" if settings.precision == "bf16" else None)
+      compute_dtype="bfloat16" if settings.precision == "bf16" else None,
+      roll_layers=settings.roll_layers)
   schedule = zjax.compile_schedule(loss_fn, shapes, {"tokens": tokens}, mesh=mesh,
                                    config=config)
   lr = optax.warmup_cosine_decay_schedule(

@@ -21,6 +21,7 @@ class TrainSettings:
   d_ff: int = 512
   seq_len: int = 128
   scan: bool = False  # stack the blocks with nn.scan (gathered one layer per iteration)
+  roll_layers: bool = True  # run the unrolled blocks as one loop (ZeroConfig.roll_layers)
   # run
   devices: int = 8  # simulated CPU devices (or the first N accelerators)
   steps: int = 300
@@ -75,6 +76,8 @@ HELP = {  # what each setting does (the flags' help)
     "seq_len": "context length in bytes",
     "scan": "stack the blocks with nn.scan: zjax gathers one layer per loop iteration "
             "(less memory, faster compile) instead of one segment per block",
+    "roll_layers": "run the identical unrolled blocks as one loop, as if scanned "
+                   "(ZeroConfig.roll_layers); --no-roll-layers: one segment per block",
     "devices": "simulated CPU devices, or the first N accelerators",
     "steps": "optimizer steps in all (a resumed run continues up to this step)",
     "batch": "global batch in sequences (a multiple of --devices)",
