@@ -85,7 +85,9 @@ def run(args) -> int:
     for row in results[key]:
       console.print(f"{key}: {x}={row[x]:>3} {row['method']:>14}  "
                     + "  ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in row.items()
-                                if k.endswith("bytes")))
+                                if k.endswith("bytes"))
+                    + "".join(f"  {k} {row[k]:.2f}" for k in ("setup_seconds",
+                                                             "compile_seconds") if k in row))
   bench.write_json(results, args.json)
   written = bench.plot(results, args.plots)
   console.print(f"wrote {args.json}, " + ", ".join(written))
