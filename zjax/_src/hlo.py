@@ -152,8 +152,9 @@ def executed_by_axis(hlo_text: str, mesh_shape: dict) -> dict:
 
 
 def summarize(compiled) -> dict:
-  """Counts and bytes per collective kind, as executed (a while body's once per iteration,
-  see `executed`), and per-device memory, of a compiled program.
+  """Counts and bytes per collective kind, as executed (a while body's once per iteration;
+  once where XLA does not know the trip count), and per-device memory, of a compiled
+  program.
 
   Example:
     >>> summary = summarize(jax.jit(f).lower(x).compile())    # doctest: +SKIP
@@ -161,13 +162,14 @@ def summarize(compiled) -> dict:
   """
   out = {}
   text = compiled.as_text()
-  colls = collectives(text)
-  done = executed(text)
+  colls, loops = collectives(text), while_loops(text)
   for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all",
                "collective_permute"):
-    out[f"{kind}_count"] = done.get(f"{kind}_count", 0)
-    out[f"{kind}_bytes"] = done.get(f"{kind}_bytes", 0)
-    out[f"max_{kind}_bytes"] = max((c.bytes for c in colls if c.kind == kind), default=0)
+    found = [(c.bytes, loops.get(c.computation, 1) or 1)  # unknown trip count: once
+             for c in colls if c.kind == kind]
+    out[f"{kind}_count"] = sum(times for _, times in found)
+    out[f"{kind}_bytes"] = sum(size * times for size, times in found)
+    out[f"max_{kind}_bytes"] = max((size for size, _ in found), default=0)
   memory = compiled.memory_analysis()
   out.update(temp_bytes=int(memory.temp_size_in_bytes),
              argument_bytes=int(memory.argument_size_in_bytes),

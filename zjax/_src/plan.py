@@ -4,10 +4,13 @@
    one device) are persistent (replicated); the others are sharded.
 2. Buckets: sharded, used parameters grouped by owning module and dtype, in first-use order;
    stacked parameters (loops.py: consumed one layer per iteration by a scan) form buckets
-   of their own, gathered one layer at a time.
+   of their own, gathered one layer at a time. With `roll_layers`, runs of identical
+   layers (roll.py) are loops too: their buckets hold the first layer's parameters and
+   list every layer's (`Bucket.layers`).
 3. Segments: the op list cut so that a segment starts where a bucket that is not yet in use
    is needed, and ends right after its last parameter use (releases come promptly). A scan
-   with stacked parameters is a segment of its own, run by a "loop" step.
+   with stacked parameters, or a rolled run of layers, is a segment of its own, run by a
+   "loop" step.
 4. Instances: each bucket's uses are grouped into gather instances; a gap of more than
    `max_reuse_distance` elements of work (parameter elements used in between) splits an
    instance (release, then gather again). The last instance stays gathered into backward
