@@ -304,6 +304,8 @@ def test_a_layer_reading_another_layers_weight_is_not_rolled():
   x = jax.random.normal(k[4], (16, 32))
   schedule, _ = assert_parity(loss, params, x, config=NET)
   assert not any(note.startswith("rolled") for note in schedule.rolling)
+  assert any("is also read outside this layer (by another layer" in note
+             for note in schedule.rolling), schedule.rolling
 
 
 def test_schedule_file_round_trip_and_edited_layers():

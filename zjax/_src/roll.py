@@ -93,8 +93,10 @@ def find_runs(program: FlatProgram, params: list[ParamFacts], excluded=frozenset
   chosen.sort(key=lambda r: r.start)
   notes = [f"rolled ops [{r.start}, {r.end}): {r.length} layers of {r.block} ops "
            f"({_layer_names(params, r)})" for r in chosen]
-  notes += sorted({why for (start, end), why in rejected.items()
-                   if why and not set(range(start, end)) <= covered})
+  reasons = sorted({why for (start, end), why in rejected.items()
+                    if why and not set(range(start, end)) <= covered})
+  notes += reasons[:_MAX_REASONS] + ([f"... and {len(reasons) - _MAX_REASONS} more reasons"]
+                                     if len(reasons) > _MAX_REASONS else [])
   notes += [note for run in chosen for note in finder.neighbours(run, covered)]
   return Rolling(tuple(chosen), tuple(notes) or ("no repeated layers",))
 
@@ -123,6 +125,10 @@ def _layer_names(params, run) -> str:
   if first == last:  # layers that do not start at a module: name a parameter of each
     first, last = (params[run.stacked[0][layer]].path for layer in (0, run.length - 1))
   return f"{first} .. {last}"
+
+
+_MAX_REASONS = 4  # why-not notes kept per schedule
+_PERIOD_LOOKBACK = 4  # same-signature weight uses per layer that periods look past
 
 
 class _Finder:
@@ -180,12 +186,12 @@ class _Finder:
   def _periods(self) -> list[int]:
     """Candidate block lengths: distances between consecutive ops of the same signature
     that read a parameter (in an unrolled model, the same weight use in the next layer)."""
-    last, periods = {}, set()
+    recent, periods = {}, set()  # signature -> its last few positions
     for k, op in enumerate(self.ops):
       if any(isinstance(a, int) and a in self.param_of for a in op.inputs):
-        if self.sigs[k] in last:
-          periods.add(k - last[self.sigs[k]])
-        last[self.sigs[k]] = k
+        seen = recent.setdefault(self.sigs[k], [])
+        periods.update(k - j for j in seen)  # a layer may use one weight shape twice
+        seen[:] = (seen + [k])[-_PERIOD_LOOKBACK:]
     return sorted(periods)
 
   def _stretches(self, block):
@@ -205,7 +211,7 @@ class _Finder:
     runs and best matches module boundaries (a few alignments are tried)."""
     phases = sorted(range(block), key=lambda p: (-((hi - lo - p) // block),
                                                  -self._boundaries(lo + p, block, hi), p))
-    found = []
+    tried = []
     for phase in phases[:4]:
       start, found = lo + phase, []
       while (hi - start) // block >= 2:
@@ -214,8 +220,9 @@ class _Finder:
         found.append((run, why, (start, start + block * count)))
         start = run.end if run is not None else start + block * max(joined, 1)
       if any(run is not None for run, _, _ in found):
-        break
-    return found
+        return found
+      tried.append(found)
+    return tried[0] if tried else []  # why the best alignment does not roll
 
   def _boundaries(self, start, block, hi) -> int:
     """How strongly blocks starting at `start` begin where a module begins: the fewer
@@ -345,7 +352,8 @@ class _Wiring:
       return ""  # shared by every layer so far: a const
     block = range(self.start + layer * self.block, self.start + (layer + 1) * self.block)
     if not all(u in block for u in facts.uses):
-      return f"its parameter {facts.path} is also used outside this layer (shared)"
+      return (f"its parameter {facts.path} is also read outside this layer (by another "
+              f"layer, or shared)")
     layer_params[(j, q)] = i
     return ""
 
@@ -408,8 +416,8 @@ class _Wiring:
         return "a parameter is shared by some layers but not all", sources
       first_block = range(self.start, self.start + self.block)
       if not all(u in first_block for u in self.f.params[i0].uses):
-        return (f"its parameter {self.f.params[i0].path} is also used outside the first "
-                f"layer (shared)"), sources
+        return (f"its parameter {self.f.params[i0].path} is also read outside the first "
+                f"layer (by another layer, or shared)"), sources
       if layers not in position:
         if any(i in position_layers for position_layers in position for i in layers):
           return "a layer reads another layer's parameter", sources
