@@ -84,16 +84,27 @@ def conditional_branches(hlo_text: str) -> set[str]:
   return names
 
 
-def executed(hlo_text: str) -> dict:
-  """Counts and bytes per collective kind as executed: a collective in a while body once
-  per iteration (its loop's trip count must be known)."""
+def executions(hlo_text: str, unknown_trips_once: bool = False) -> list:
+  """(collective, times it runs) for every collective: a while body's once per iteration.
+  A trip count XLA does not know is an error, or with `unknown_trips_once` counts once."""
   loops = while_loops(hlo_text)
-  out = {}
+  out = []
   for c in collectives(hlo_text):
     times = loops.get(c.computation, 1)
     if times is None:
-      raise ValueError(f"A {c.kind} sits in while body {c.computation}, whose trip count XLA "
-                       f"does not know; its executed count is undefined.")
+      if not unknown_trips_once:
+        raise ValueError(f"A {c.kind} sits in while body {c.computation}, whose trip count "
+                         f"XLA does not know; how often it runs is undefined.")
+      times = 1
+    out.append((c, times))
+  return out
+
+
+def executed(hlo_text: str) -> dict:
+  """Counts and bytes per collective kind as executed: a collective in a while body once
+  per iteration (its loop's trip count must be known)."""
+  out = {}
+  for c, times in executions(hlo_text):
     out[f"{c.kind}_count"] = out.get(f"{c.kind}_count", 0) + times
     out[f"{c.kind}_bytes"] = out.get(f"{c.kind}_bytes", 0) + times * c.bytes
   return out
@@ -138,13 +149,8 @@ def axes_of_groups(groups, mesh_shape: dict) -> str:
 def executed_by_axis(hlo_text: str, mesh_shape: dict) -> dict:
   """Executed bytes per collective kind and mesh axes: {"all_gather": {"fsdp": bytes, ...}}
   (a collective in a while body once per iteration, as in `executed`)."""
-  loops = while_loops(hlo_text)
   out: dict = {}
-  for c in collectives(hlo_text):
-    times = loops.get(c.computation, 1)
-    if times is None:
-      raise ValueError(f"A {c.kind} sits in while body {c.computation}, whose trip count XLA "
-                       f"does not know; its executed bytes are undefined.")
+  for c, times in executions(hlo_text):
     per_axis = out.setdefault(c.kind, {})
     key = axes_of_groups(c.groups, mesh_shape)
     per_axis[key] = per_axis.get(key, 0) + times * c.bytes
@@ -161,12 +167,10 @@ def summarize(compiled) -> dict:
     >>> summary["all_gather_count"], summary["temp_bytes"]      # doctest: +SKIP
   """
   out = {}
-  text = compiled.as_text()
-  colls, loops = collectives(text), while_loops(text)
+  runs = executions(compiled.as_text(), unknown_trips_once=True)
   for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all",
                "collective_permute"):
-    found = [(c.bytes, loops.get(c.computation, 1) or 1)  # unknown trip count: once
-             for c in colls if c.kind == kind]
+    found = [(c.bytes, times) for c, times in runs if c.kind == kind]
     out[f"{kind}_count"] = sum(times for _, times in found)
     out[f"{kind}_bytes"] = sum(size * times for size, times in found)
     out[f"max_{kind}_bytes"] = max((size for size, _ in found), default=0)

@@ -121,10 +121,10 @@ def _loop_report(phase, step, bucket_bytes, grad_bytes) -> dict:
 def loop_stack_bytes(s) -> int:
   """Per device: the stacked shard copies of every rolled bucket (all layers), and of its
   gradient chunks when trained."""
-  total = 0
+  total, by_path = 0, {p.path: p for p in s.params}
   for b in s.buckets:
     for path in b.loop_paths if b.layers else ():
-      entry = s.param(path)
+      entry = by_path[path]
       chunk = ir.local_elements(entry, s.num_devices)
       total += chunk * ir.gather_dtype(entry.dtype, s.config.compute_dtype).itemsize
       if ir.has_gradient(entry):
