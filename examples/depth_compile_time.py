@@ -54,10 +54,7 @@ def measure(variant, num_layers, d_model, mesh):
     schedule, plan = _timed(lambda: zjax.compile_schedule(loss, params, batch, mesh=mesh,
                                                           config=config))
     step = zjax.value_and_grad(loss, schedule, mesh=mesh)
-    args = (jax.tree_util.tree_unflatten(schedule.params_treedef, [
-        jax.ShapeDtypeStruct(layout.storage_shape(p, n), p.dtype,
-                             sharding=NamedSharding(mesh, spec))
-        for p, spec in zip(schedule.params, layout.param_specs(schedule))]), batch)
+    args = (layout.abstract_storage(schedule, mesh), batch)
   lowered, lower = _timed(lambda: step.lower(*args))
   compiled, xla = _timed(lowered.compile)
   return {"variant": variant, "layers": num_layers, "plan_seconds": plan,

@@ -59,18 +59,24 @@ def fresh_state(trainer):
 
 
 def natural_state(state, trainer):
-  """(params, opt_state) on the host, every layout-dependent leaf in natural shape."""
+  """(params, opt_state) on the host, every layout-dependent leaf in natural shape: the
+  optimizer state as {path: value}, a leaf mirroring a rolled stack given per layer (under
+  its prefix + the layer's parameter path), so that any two layouts compare."""
   schedule = trainer.schedule
-
-  def natural(path, x):
-    x = np.asarray(jax.device_get(x))
-    index = layout.mirrored_param(jax.tree_util.keystr(path), x.shape, schedule)
+  opt = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]:
+    path, x = jax.tree_util.keystr(path), np.asarray(jax.device_get(x))
+    index = layout.mirrored_storage(path, x.shape, schedule)
     if index is None:
-      return x
-    return np.asarray(layout.natural_from_storage(x, schedule.params[index]))
-
+      opt[path] = x
+      continue
+    leaf = schedule.storage[index]
+    prefix = path[:len(path) - len(leaf.path)]
+    natural = np.asarray(layout.natural_from_storage(x, leaf.entry))
+    for i, value in zip(leaf.members, layout.members_of_natural(natural, leaf)):
+      opt[prefix + schedule.params[i].path] = np.asarray(value)
   params = jax.device_get(trainer.gather_params(state))
-  return params, jax.tree_util.tree_map_with_path(natural, state.opt_state)
+  return params, opt
 
 
 def assert_bitwise(a, b):

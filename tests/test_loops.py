@@ -15,7 +15,6 @@ import pytest
 from helpers import assert_parity, assert_trees_close, mesh_of, run_zjax
 
 import zjax
-from jax.sharding import NamedSharding
 from zjax._src import hlo, ir, layout
 
 D = 64
@@ -281,10 +280,7 @@ def compiled_step(num_layers, config):
 
 
 def _abstract_shards(schedule, mesh):
-  leaves = [jax.ShapeDtypeStruct(layout.storage_shape(p, 8), p.dtype,
-                                 sharding=NamedSharding(mesh, spec))
-            for p, spec in zip(schedule.params, layout.param_specs(schedule))]
-  return jax.tree_util.tree_unflatten(schedule.params_treedef, leaves)
+  return layout.abstract_storage(schedule, mesh)
 
 
 @pytest.mark.parametrize("config", [PREFETCH, NO_PREFETCH], ids=["prefetch", "no-prefetch"])

@@ -229,13 +229,15 @@ def test_rolled_layers_on_a_two_axis_mesh(layout):
   executed, report = hlo.executed(compiled.as_text()), schedule.report()
   for kind in ("all_gather", "reduce_scatter"):
     assert executed[f"{kind}_count"] == report[f"{kind}_count"], kind
-  if layout == "hpz":  # every layer's secondary kept: at most the predicted extra memory
+  if layout == "hpz":  # every layer's secondary kept: it costs memory, as predicted
     flat = dataclasses.replace(ROLL, shard_axes=("data", "fsdp"))
     flat_schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=flat)
     flat_temp = zjax.value_and_grad(loss, flat_schedule, mesh=mesh).lower(
         zjax.shard(params, flat_schedule, mesh), batch).compile().memory_analysis()
-    extra = compiled.memory_analysis().temp_size_in_bytes - flat_temp.temp_size_in_bytes
-    assert 0 < report["secondary_bytes"] and extra <= 1.25 * report["secondary_bytes"]
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    predicted = (report["peak_live_param_bytes"] + report["peak_live_grad_bytes"] +
+                 report["secondary_bytes"])
+    assert 0 < report["secondary_bytes"] and flat_temp.temp_size_in_bytes < temp <= predicted
 
 
 # ---- the compiled program ----------------------------------------------------------------
@@ -277,6 +279,98 @@ def test_program_does_not_grow_with_depth_and_temp_stays_below_unrolled():
   assert count(unrolled) > count(deep)
   temp = lambda c: c.memory_analysis().temp_size_in_bytes  # noqa: E731
   assert temp(deep) <= temp(unrolled)
+
+
+def _entry_parameters(compiled) -> int:
+  entry = next(line for line in compiled.as_text().splitlines() if line.startswith("ENTRY"))
+  return entry.count(": ")  # "name: shape" per parameter
+
+
+def test_rolled_layers_are_one_stacked_leaf_and_the_program_keeps_its_size_with_depth():
+  """Stacked storage: each per-layer parameter's L layers are one [L, padded layer] leaf at
+  layer 0's path (None at the others), so the compiled step has as many inputs and outputs
+  (and fusions: each leaf's slice or copy is one) at 12 layers as at 4."""
+  mesh = mesh_of(8)
+  loss, params, batch = gpt(4)
+  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=ROLL)
+  sharded = zjax.shard(params, schedule, mesh)
+  qkv = "['params']['block_0']['attn']['qkv']['kernel']"
+  stack = schedule.storage[[leaf.path for leaf in schedule.storage].index(qkv)]
+  assert stack.rolled and [schedule.params[i].path for i in stack.members] == [
+      qkv.replace("block_0", f"block_{i}") for i in range(4)]
+  assert sharded["params"]["block_0"]["attn"]["qkv"]["kernel"].shape == (4, 32 * 96)
+  assert sharded["params"]["block_2"]["attn"]["qkv"]["kernel"] is None
+  assert {s.data.shape for s in
+          sharded["params"]["block_0"]["attn"]["qkv"]["kernel"].addressable_shards} == {
+      (4, 32 * 96 // 8)}
+  for a, b in zip(jax.tree.leaves(zjax.unshard(sharded, schedule)), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(a, b)
+  unrolled = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=UNROLL)
+  assert zjax.per_device_bytes(sharded) == zjax.per_device_bytes(
+      zjax.shard(params, unrolled, mesh)) == schedule.report()["state_bytes_per_device"]
+  shallow, deep = _compiled(4, ROLL), _compiled(12, ROLL)
+  assert _entry_parameters(shallow) == _entry_parameters(deep) == len(schedule.storage) + 1
+  fusions = lambda c: c.as_text().count(" fusion(")  # noqa: E731
+  assert fusions(deep) == fusions(shallow)
+
+
+def test_trainer_on_stacked_storage_inits_steps_and_groups_like_optax():
+  """init_from builds each stack row by row; sub-groups split at stacks; clipping by the
+  global norm works across the stacked leaves (it matches optax, see the parity tests)."""
+  mesh = mesh_of(8)
+  cfg = GPTConfig(n_layer=4, d_model=32, n_head=4, d_ff=128, seq_len=16)
+  model = GPT(cfg)
+  loss, params, batch = gpt(4)
+  config = dataclasses.replace(ROLL, sub_group_size=600)
+  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=config)
+  opt = optax.chain(optax.clip_by_global_norm(0.05), ADAMW)
+  trainer = zjax.zero3(loss, opt, schedule, mesh=mesh)
+  built = trainer.init_from(model.init, jax.random.key(1), batch["tokens"][:, :-1])
+  state = trainer.init(params)
+  assert jax.tree.structure(built) == jax.tree.structure(state)
+  assert_trees_close(trainer.gather_params(built), params, rtol=0, atol=1e-7)  # as jit(init)
+  groups = zjax._src.train.plan_sub_groups(schedule)
+  local = [ir.local_elements(leaf.entry, 8) for leaf in schedule.storage]
+  big = [k for k, leaf in enumerate(schedule.storage) if leaf.rolled and local[k] > 600]
+  assert len(big) == 4 and all([k] in groups for k in big)  # out (replicated), qkv, fc, proj
+  assert all(len(g) == 1 or sum(local[k] for k in g) <= 600 for g in groups)
+  ref_params, ref_opt = params, opt.init(params)
+  for _ in range(3):
+    state, metrics = trainer.step(state, batch)
+    ref_loss, grads = jax.value_and_grad(loss)(ref_params, batch)
+    updates, ref_opt = opt.update(grads, ref_opt, ref_params)
+    ref_params = optax.apply_updates(ref_params, updates)
+    np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=1e-5)
+  assert_trees_close(trainer.gather_params(state), ref_params, atol=PARAM_ATOL)
+
+
+def test_per_leaf_statistics_are_refused_on_stacks_and_work_unrolled():
+  """LAMB's trust ratio is a per-leaf norm: on a rolled stack it would span every layer,
+  so zero3 refuses it, naming the parameter and the fix; unrolled it trains."""
+  loss, params, batch = gpt(2)
+  mesh = mesh_of(8)
+  lamb = optax.lamb(1e-3)
+  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=ROLL)
+  with pytest.raises(zjax.ZjaxError, match=r"block_\d.*roll_layers=False"):
+    zjax.zero3(loss, lamb, schedule, mesh=mesh).init(params)
+  unrolled = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=UNROLL)
+  trainer = zjax.zero3(loss, lamb, unrolled, mesh=mesh)
+  state, metrics = trainer.step(trainer.init(params), batch)
+  assert np.isfinite(metrics["loss"])
+
+
+def test_edited_stacks_are_refused():
+  schedule = zjax.compile_schedule(*gpt(3), num_devices=8, config=ROLL)
+  data = json.loads(schedule.to_json())
+  layered = [p for p in data["params"] if p.get("stack")]
+  assert layered and all(p["stack"].replace("block_0", f"block_{p['layer']}") == p["path"]
+                         for p in layered)
+  layered[-1]["layer"] = 0
+  with pytest.raises(zjax.ScheduleError, match="holds layers|lists .* as layer"):
+    zjax.Schedule.from_json(json.dumps(data))
+  del layered[-1]["stack"], layered[-1]["layer"]
+  with pytest.raises(zjax.ScheduleError, match="says it is layer 0 of the stack of|holds 2 la"):
+    zjax.Schedule.from_json(json.dumps(data))
 
 
 # ---- what is not rolled, files, checkpoints --------------------------------------------

@@ -109,22 +109,34 @@ def test_clipping_active_and_exact():
   assert all(float(m["grad_norm"]) > threshold for m in metrics)
 
 
-def test_masks_and_labels_by_path():
+@pytest.mark.parametrize("by", ["name", "layer"])
+def test_masks_and_labels_by_path(by):
+  """Masks and labels by parameter name hold on rolled layers (the same for every layer of
+  a stack); labels by layer (e.g. layer-wise learning rates) need roll_layers=False."""
   loss, params, batch = mlp(num_layers=3)
   decay_kernels = lambda p: jax.tree_util.tree_map_with_path(
       lambda path, _: path[-1].key == "kernel", p)
+  slow = (lambda path: path[0].key == "layer0") if by == "layer" else (
+      lambda path: path[-1].key == "bias")
   labels = lambda p: jax.tree_util.tree_map_with_path(
-      lambda path, _: "slow" if path[0].key == "layer0" else "fast", p)
+      lambda path, _: "slow" if slow(path) else "fast", p)
   opt = optax.chain(
       optax.masked(optax.add_decayed_weights(0.1), decay_kernels),
       optax.multi_transform({"slow": optax.sgd(1e-3), "fast": optax.adam(1e-2),
                              "matches_nothing": optax.lion(1.0)}, labels))
-  assert_training_parity(loss, opt, params, same_batch(batch, 5))
+  config = dataclasses.replace(SHARD_ALL, roll_layers=by == "name")
+  assert_training_parity(loss, opt, params, same_batch(batch, 5), config=config)
+  if by == "layer":
+    with pytest.raises(zjax.ZjaxError, match=r"\['layer[12]'\].*roll_layers=False"):
+      zjax_run(loss, opt, params, [batch])
 
 
 def test_lamb_trust_ratios_are_exact():
+  """Per-leaf trust ratios: exact on per-layer leaves (on rolled stacks they are refused,
+  test_rolling.py)."""
   loss, params, batch = mlp(num_layers=2)
-  assert_training_parity(loss, optax.lamb(1e-2), params, same_batch(batch, 5))
+  assert_training_parity(loss, optax.lamb(1e-2), params, same_batch(batch, 5),
+                         config=dataclasses.replace(SHARD_ALL, roll_layers=False))
 
 
 @pytest.mark.parametrize("optimizer", [
@@ -326,18 +338,21 @@ def test_frozen_params_are_gathered_but_not_reduced_or_optimized():
     zjax.compile_schedule(loss, params, batch, mesh=mesh, frozen={"layer1": True})
 
 
-def test_sub_groups_give_identical_results():
+@pytest.mark.parametrize("roll", [False, True], ids=["unrolled", "rolled"])
+def test_sub_groups_give_identical_results(roll):
   from zjax._src.train import plan_sub_groups
   loss, params, batch = mlp(num_layers=3)
-  one = zjax_run(loss, ADAMW, params, same_batch(batch, 3))
-  small = dataclasses.replace(SHARD_ALL, sub_group_size=100)
+  base = dataclasses.replace(SHARD_ALL, roll_layers=roll)
+  one = zjax_run(loss, ADAMW, params, same_batch(batch, 3), config=base)
+  small = dataclasses.replace(base, sub_group_size=100)
   many = zjax_run(loss, ADAMW, params, same_batch(batch, 3), config=small)
   mesh = mesh_of(8)
   schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=small)
   groups = plan_sub_groups(schedule)
-  assert len(groups) == 6 and all(len(g) == 1 for g in groups)  # 520 elements per layer
+  # 520 elements per layer and device; rolled: a kernel stack (3 x 512) and a bias stack
+  assert len(groups) == (2 if roll else 6) and all(len(g) == 1 for g in groups)
   assert len(plan_sub_groups(zjax.compile_schedule(loss, params, batch, mesh=mesh,
-                                                   config=SHARD_ALL))) == 1
+                                                   config=base))) == 1
   # same math; the barriers between groups change XLA's fusion, hence ulp-level rounding
   assert_trees_close(many[0].gather_params(many[1]), one[0].gather_params(one[1]), rtol=1e-6,
                      atol=1e-7)

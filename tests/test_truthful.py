@@ -148,13 +148,13 @@ def test_max_reuse_distance_changes_backward_gathers_as_predicted():
 @pytest.mark.parametrize("roll", [True, False], ids=["rolled", "unrolled"])
 def test_memory_within_the_predicted_bound(roll):
   """temp <= predicted peak live params + live gradients + one bucket of slack (the packed
-  gradient / gathered buffer being written) + the activations (here ~0: batch of 1 row)
-  + rolled layers' stacked shard and gradient copies."""
+  gradient / gathered buffer being written) + the activations (here ~0: batch of 1 row).
+  Rolled layers read their stacked storage in place: no copies of it."""
   for name, config in CONFIGS.items():
     schedule, report, hlo = compiled_summary(deep_mlp(), UNROLLED(config, not roll))
-    assert bool(report["loop_stack_bytes"]) == roll == bool(report["loops"])
+    assert roll == bool(report["loops"])
     bound = (report["peak_live_param_bytes"] + report["peak_live_grad_bytes"] +
-             report["loop_stack_bytes"] + W1 + 0.05 * W1)
+             W1 + 0.05 * W1)
     assert hlo["temp_bytes"] <= bound, (name, hlo["temp_bytes"] / W1, bound / W1)
 
 

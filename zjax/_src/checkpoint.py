@@ -6,16 +6,19 @@ On-disk format: one orbax step directory per step, with two items.
           one (adam's mu and nu), is stored flat: a sharded leaf as its zero-padded layout
           storage, a persistent one raveled; a stacked one (gathered per layer in a loop)
           as its [layers, padded layer] storage. Each process writes only its own shards.
+          A rolled run's layers are one stacked leaf, as in the train state (its rows are
+          the layers, `members` in the manifest).
   zjax/   a JSON manifest: format, zjax version, the train step, the saving schedule (JSON),
           and for every stored array its tree path, natural shape, dtype, the parameter it
-          mirrors and a checksum.
+          mirrors, the natural parameters a stack holds, and a checksum.
 Restoring reads each flat array truncated or zero-extended to the target layout's length
 (orbax does it shard by shard), so 8 -> 4 devices, or another bucket plan, is one online
 read; stacked storage likewise per row. Where the layout kind differs (a stacked parameter
 restored where it is replicated, e.g. on 1 device, or the reverse) the leaf is read whole
-and converted on device. The checksum (a position-weighted uint32 sum of the value bits,
-in natural order, computed on device) ignores padding, so it holds across layouts and
-catches silently corrupted data.
+and converted on device; where layers were rolled on one side only, rows are regrouped
+(restore_plan.py). The checksum (a position-weighted uint32 sum of the value bits, in
+natural order, computed on device) ignores padding, so it holds across layouts and catches
+silently corrupted data.
 """
 
 import dataclasses
@@ -27,28 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zjax._src import layout
-from zjax._src.errors import ZjaxError
+from zjax._src import restore_plan as plan
+from zjax._src.restore_plan import CheckpointError, Leaf as _Leaf
 
 FORMAT = "zjax-checkpoint-v1"
-
-
-class CheckpointError(ZjaxError):
-  """A checkpoint is missing, unreadable, corrupted or does not fit the model."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Leaf:
-  key: str  # key in the orbax tree
-  path: str  # keystr path in the train state's part (params / opt_state / extra)
-  shape: tuple  # natural shape (for mirrored leaves, the parameter's)
-  dtype: str
-  stored: tuple  # shape as stored
-  param: int | None  # index of the mirrored parameter, or None
-  checksum: int = 0
-  row: int = 0  # stored per layer: the natural elements of each stored row (else 0)
 
 
 class CheckpointManager:
@@ -146,19 +133,20 @@ class CheckpointManager:
     step = self._resolve_step(step)
     manifest = self._manifest(step)
     where = f"checkpoint step {step} in {self.directory}"
-    saved = {part: [_Leaf(**{**d, "shape": tuple(d["shape"]), "stored": tuple(d["stored"])})
+    saved = {part: [_Leaf(**{**d, "shape": tuple(d["shape"]), "stored": tuple(d["stored"]),
+                             "members": tuple(d.get("members", ()))})
                     for d in manifest[part]] for part in ("params", "opt", "extra")}
-    _check_params(saved["params"], trainer.schedule, where)
+    plan.check_params(saved["params"], trainer.schedule, where)
     target = like if like is not None else trainer.abstract_state(
         _extra_template(saved["extra"]))
-    items, plans = _restore_plan(saved, target, trainer.schedule, where)
+    items, plans = plan.restore_plan(saved, target, trainer.schedule, where)
     restored = self._read(step, items, manifest, where)
-    _verify_checksums(restored, saved, plans, where)
-    return _assemble(restored, plans, target, manifest["train_step"], trainer)
+    _verify_checksums(restored, saved, items, where)
+    return plan.assemble(restored, plans, target, manifest["train_step"], trainer.mesh)
 
   def _read(self, step, items, manifest, where):
-    tree = {part: {k: v for k, (v, _) in entries.items()} for part, entries in items.items()}
-    args = {part: {k: a for k, (_, a) in entries.items()} for part, entries in items.items()}
+    tree = {part: {k: v for k, (v, _, _) in entries.items()} for part, entries in items.items()}
+    args = {part: {k: a for k, (_, a, _) in entries.items()} for part, entries in items.items()}
     try:
       return self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.PyTreeRestore(item=tree, restore_args=args)))["state"]
@@ -248,8 +236,9 @@ def export_params(directory, step: int | None = None, *, save_to=None):
     if int(_checksum(value, np)) != d["checksum"]:
       raise CheckpointError(f"Parameter {d['path']} in {where} fails its checksum: the data "
                             f"was corrupted after it was written.")
-    paths.append(d["path"])
-    values.append(value)
+    members = d.get("members") or [d["path"]]  # a rolled stack: one row per layer (views)
+    paths += members
+    values += [value[row] for row in range(len(members))] if d.get("members") else [value]
   manager.close()
   params = layout.tree_from_paths(paths, values)
   if save_to is not None:
@@ -276,33 +265,38 @@ def _read_natural(state_dir, d) -> np.ndarray:
 def _to_stored(state, schedule):
   """(orbax tree, leaf descriptions) of a train state; persistent leaves are raveled."""
   n = schedule.num_devices
-  param_leaves, _ = layout.matching_leaves(state.params, schedule, "state.params")
+  param_leaves = layout.stored_leaves(state.params, schedule, "state.params")
   tree = {"params": {}, "opt": {}, "extra": {}}
   leaves = {"params": [], "opt": [], "extra": []}
-  for i, (x, entry) in enumerate(zip(param_leaves, schedule.params)):
-    if tuple(x.shape) != layout.storage_shape(entry, n):
-      raise CheckpointError(f"state.params leaf {entry.path} has shape {tuple(x.shape)}, not "
-                            f"the schedule's layout {layout.storage_shape(entry, n)}.")
-    _add(tree, leaves, "params", f"p{i:05d}", entry.path, x, entry, i)
+  for k, (x, leaf) in enumerate(zip(param_leaves, schedule.storage)):
+    if tuple(x.shape) != layout.storage_shape(leaf.entry, n):
+      raise CheckpointError(f"state.params leaf {leaf.path} has shape {tuple(x.shape)}, not "
+                            f"the schedule's layout {layout.storage_shape(leaf.entry, n)}.")
+    members = tuple(schedule.params[i].path for i in leaf.members) if leaf.rolled else ()
+    _add(tree, leaves, "params", f"p{k:05d}", leaf.path, x, leaf, k, members)
   for j, (path, x) in enumerate(jax.tree_util.tree_flatten_with_path(state.opt_state)[0]):
     path = jax.tree_util.keystr(path)
-    index = layout.mirrored_param(path, x.shape, schedule)
-    entry = schedule.params[index] if index is not None else None
-    _add(tree, leaves, "opt", f"o{j:05d}", path, x, entry, index)
+    index = layout.mirrored_storage(path, x.shape, schedule)
+    leaf = schedule.storage[index] if index is not None else None
+    _add(tree, leaves, "opt", f"o{j:05d}", path, x, leaf, index)
   for j, (path, x) in enumerate(jax.tree_util.tree_flatten_with_path(state.extra)[0]):
     _add(tree, leaves, "extra", f"e{j:05d}", jax.tree_util.keystr(path), jnp.asarray(x),
          None, None)
   return tree, leaves
 
 
-def _add(tree, leaves, part, key, path, x, entry, index):
+def _add(tree, leaves, part, key, path, x, leaf, index, members=()):
+  """Store x (a leaf of `part`; `leaf`: the storage leaf it mirrors, or None; `members`:
+  a rolled stack's parameter paths, one per row)."""
+  entry = leaf.entry if leaf is not None else None
   if entry is not None and entry.persistent:
     x = _ravel(x)
   shape = tuple(entry.shape) if entry is not None else tuple(x.shape)
   dtype = jnp.dtype(x.dtype).name
   row = entry.layer_size if entry is not None and entry.stacked else 0
   tree[part][key] = x
-  leaves[part].append(_Leaf(key, path, shape, dtype, tuple(x.shape), index, row=row))
+  leaves[part].append(_Leaf(key, path, shape, dtype, tuple(x.shape), index, row=row,
+                            members=members))
 
 
 @jax.jit
@@ -374,24 +368,6 @@ def _checksums(tree, rows=()) -> dict:
 
 # ---- restore planning -----------------------------------------------------------------
 
-def _check_params(saved, schedule, where):
-  """The saved parameters must be the model's: same paths, shapes and dtypes."""
-  by_path = {leaf.path: leaf for leaf in saved}
-  for entry in schedule.params:
-    leaf = by_path.pop(entry.path, None)
-    if leaf is None:
-      raise CheckpointError(f"{where} has no parameter {entry.path}: it was saved from a "
-                            f"different model. Restore it with the model that saved it.")
-    if tuple(leaf.shape) != tuple(entry.shape) or leaf.dtype != entry.dtype:
-      raise CheckpointError(
-          f"Parameter {entry.path} in {where} is {leaf.dtype}{list(leaf.shape)}, but this "
-          f"model has {entry.dtype}{list(entry.shape)}: a different model. Restore it with "
-          f"the model that saved it.")
-  if by_path:
-    raise CheckpointError(f"{where} has parameters this model lacks: {sorted(by_path)[:3]}; "
-                          f"it was saved from a different model.")
-
-
 def _extra_template(saved_extra):
   if not saved_extra:
     return None
@@ -400,147 +376,24 @@ def _extra_template(saved_extra):
                                  for leaf in saved_extra])
 
 
-def _restore_plan(saved, target, schedule, where):
-  """Orbax restore items {part: {key: (abstract, restore args)}} for the target state, and
-  per target leaf the saved key and whether to reshape it to its natural shape."""
-  items = {"params": {}, "opt": {}, "extra": {}}
-  plans = {}
-  params_by_path = {leaf.path: leaf for leaf in saved["params"]}
-  target_params = layout.matching_leaves(target.params, schedule, "target params")[0]
-  plans["params"] = [
-      _plan_leaf(items, "params", params_by_path[e.path], x, e, where)
-      for x, e in zip(target_params, schedule.params)]
-  saved_paths = [leaf.path for leaf in saved["params"]]
-  plans["opt"] = _plan_part(items, "opt", saved["opt"], target.opt_state, schedule,
-                            saved_paths, where, "optimizer state", "the same optimizer")
-  plans["extra"] = _plan_part(items, "extra", saved["extra"], target.extra, schedule,
-                              saved_paths, where, "extra state", "the same extra state")
-  return items, plans
-
-
-def _plan_part(items, part, saved, target_tree, schedule, saved_paths, where, what, advice):
-  by_path = {leaf.path: leaf for leaf in saved}
-  targets = jax.tree_util.tree_flatten_with_path(target_tree)[0]
-  expected = {jax.tree_util.keystr(p) for p, _ in targets}
-  if set(by_path) != expected:
-    missing = sorted(expected - set(by_path))
-    extra = sorted(set(by_path) - expected)
-    raise CheckpointError(f"The {what} in {where} differs from the trainer's (missing: "
-                          f"{missing[:3]}, unexpected: {extra[:3]}). Restore with {advice} "
-                          f"that saved it.")
-  plans = []
-  for path, x in targets:
-    path = jax.tree_util.keystr(path)
-    index = layout.mirrored_param(path, x.shape, schedule) if part == "opt" else None
-    entry = schedule.params[index] if index is not None else None
-    leaf = by_path[path]
-    if (leaf.param is None) != (index is None) or (
-        entry is not None and saved_paths[leaf.param] != entry.path):
-      raise CheckpointError(f"Optimizer leaf {path} in {where} does not mirror the same "
-                            f"parameter as the trainer's. Restore with {advice} that saved it.")
-    plans.append(_plan_leaf(items, part, leaf, x, entry, where))
-  return plans
-
-
-def _plan_leaf(items, part, leaf, target, entry, where):
-  """One leaf's restore: (key, conversion after the read, natural elements per read row)."""
-  sharding = target.sharding
-  if leaf.dtype != jnp.dtype(target.dtype).name:
-    raise CheckpointError(f"{_what(part)} {leaf.path} in {where} is {leaf.dtype}; the trainer "
-                          f"expects {jnp.dtype(target.dtype).name}. Restore with the "
-                          f"precision settings that saved it.")
-  if entry is None:
-    if tuple(leaf.stored) != tuple(target.shape):
-      raise CheckpointError(f"{_what(part)} {leaf.path} in {where} has shape "
-                            f"{list(leaf.stored)}; the trainer expects {list(target.shape)}.")
-    shape, read_sharding, convert, row = tuple(target.shape), sharding, None, 0
-  else:
-    shape, read_sharding, convert, row = _conversion(leaf, entry, target, sharding)
-  args = ocp.ArrayRestoreArgs(sharding=read_sharding, global_shape=shape,
-                              strict=entry is None)
-  items[part][leaf.key] = (jax.ShapeDtypeStruct(shape, target.dtype, sharding=read_sharding),
-                           args)
-  return leaf.key, convert, row
-
-
-def _conversion(leaf, entry, target, sharding):
-  """(shape to read, its sharding, conversion to the target storage, read row) for a
-  parameter-shaped leaf. Same layout kind: read straight into the target's storage,
-  truncated or zero-extended (per row if stacked). Otherwise read the natural values
-  replicated and convert (see the module docstring)."""
-  stored_stacked, replicated = len(leaf.stored) == 2, NamedSharding(sharding.mesh, P())
-  spec = sharding.spec
-  if entry.stacked and stored_stacked:
-    return tuple(target.shape), sharding, None, entry.layer_size
-  if not entry.stacked and not stored_stacked:
-    if entry.persistent:
-      return (entry.size,), replicated, ("natural", tuple(entry.shape), spec), 0
-    return tuple(target.shape), sharding, None, 0
-  if stored_stacked:  # -> replicated natural, or flat padded
-    layer = int(np.prod(entry.shape[1:], dtype=np.int64))
-    read = (entry.shape[0], layer)
-    if entry.persistent:
-      return read, replicated, ("natural", tuple(entry.shape), spec), layer
-    return read, replicated, ("flat", tuple(target.shape), spec), layer
-  return (entry.size,), replicated, ("stacked", tuple(target.shape), spec), 0
-
-
-def _verify_checksums(restored, saved, plans, where):
-  sums = _checksums(restored, _rows({part: [(key, row) for key, _, row in plans[part]]
-                                     for part in plans}))
+def _verify_checksums(restored, saved, items, where):
+  sums = _checksums(restored, tuple((part, key, row) for part, entries in items.items()
+                                    for key, (_, _, row) in entries.items() if row))
   for part, leaves in saved.items():
     for leaf in leaves:
       if sums[part][leaf.key] != leaf.checksum:
         raise CheckpointError(
-            f"{_what(part)} {leaf.path} in {where} fails its checksum: the data was corrupted "
-            f"after it was written. Restore another step or re-create the checkpoint.")
-
-
-def _assemble(restored, plans, target, train_step, trainer):
-  """The train state in the target's structure, every leaf converted to its storage."""
-  replicated = NamedSharding(trainer.mesh, P())
-  parts = {part: [restored[part][key] for key, _, _ in plans[part]] for part in plans}
-  conversions = tuple((part, tuple(c for _, c, _ in plans[part])) for part in plans)
-  reshaped = _converted(parts, conversions, trainer.mesh)
-
-  def tree(part, like):
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), reshaped[part])
-
-  step = jax.device_put(jnp.asarray(train_step, jnp.int32), replicated)
-  return type(target)(step=step, params=tree("params", target.params),
-                      opt_state=tree("opt", target.opt_state), extra=tree("extra", target.extra))
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _converted(parts, conversions, mesh):
-  """Leaves read in another layout kind, converted (None: already the target storage)."""
-  return {part: [_convert(x, c, mesh) for x, c in zip(parts[part], part_conversions)]
-          for part, part_conversions in conversions}
-
-
-def _convert(x, conversion, mesh):
-  if conversion is None:
-    return x
-  kind, shape, spec = conversion
-  if kind == "natural":  # -> persistent
-    return x.reshape(shape)
-  if kind == "flat":  # natural rows [L, layer] -> flat padded storage
-    flat = x.reshape(-1)
-    return layout.place(jnp.pad(flat, (0, shape[0] - flat.shape[0])), mesh, spec)
-  rows = x.reshape(shape[0], -1)  # natural flat -> [L, padded layer]
-  return layout.place(jnp.pad(rows, ((0, 0), (0, shape[1] - rows.shape[1]))), mesh, spec)
+            f"{plan.what(part)} {leaf.path} in {where} fails its checksum: the data was "
+            f"corrupted after it was written. Restore another step or re-create the "
+            f"checkpoint.")
 
 
 # ---- helpers --------------------------------------------------------------------------
 
-def _what(part):
-  return {"params": "Parameter", "opt": "Optimizer leaf", "extra": "Extra-state leaf"}[part]
-
-
 def _describe(part, key, manifest) -> str:
   for d in manifest.get(part, []):
     if d["key"] == key:
-      return f"{_what(part).lower()} {d['path']}"
+      return f"{plan.what(part).lower()} {d['path']}"
   return key
 
 

@@ -69,10 +69,11 @@ class _Runner:
     self.data_parallel = schedule.data_parallel_size
 
   def step(self, sharded_params, batch, extra=None):
-    specs = layout.param_specs(self.schedule)
-    leaves, treedef = layout.matching_leaves(sharded_params, self.schedule, "sharded_params")
+    specs = layout.storage_specs(self.schedule)
+    leaves = layout.stored_leaves(sharded_params, self.schedule, "sharded_params")
+    treedef = jax.tree_util.tree_structure(sharded_params)
     batch_specs = self._batch_specs(batch)
-    program = self._device_program(treedef, batch, extra)
+    program = self._device_program(sharded_params, batch, extra)
     leaves = [layout.place(x, self.mesh, s) for x, s in zip(leaves, specs)]
     batch = jax.tree.map(lambda x, s: layout.place(x, self.mesh, s), batch, batch_specs)
     extra_specs = jax.tree.map(lambda _: P(), extra)
@@ -105,10 +106,11 @@ class _Runner:
       return P(layout.spec_entry(self.data_axes))
     return jax.tree_util.tree_map_with_path(spec, batch)
 
-  def _device_program(self, treedef, batch, extra) -> "_DeviceProgram":
+  def _device_program(self, sharded_params, batch, extra) -> "_DeviceProgram":
     """Trace the loss as the schedule was planned; it must match the schedule."""
     params = [jax.ShapeDtypeStruct(p.shape, jnp.dtype(p.dtype)) for p in self.schedule.params]
-    trace = trace_for_schedule(self.loss_fn, jax.tree_util.tree_unflatten(treedef, params),
+    trace = trace_for_schedule(self.loss_fn,
+                               layout.natural_like(sharded_params, self.schedule, params),
                                batch, self.schedule.config, self.schedule.axis_sizes, extra)
     _check_trace_matches(trace, self.schedule)
     return _DeviceProgram(self.schedule, trace.program)
@@ -144,6 +146,8 @@ class _DeviceProgram:
     self.diff_params, self.diff_acts = analysis.diff_params, analysis.diff_acts
     index = {p.path: i for i, p in enumerate(schedule.params)}
     self.members = [[index[path] for path in b.params] for b in schedule.buckets]
+    # parameter index -> the storage leaf holding it (a rolled stack: its layer 0's index)
+    self.storage_of = {i: k for k, leaf in enumerate(schedule.storage) for i in leaf.members}
     self.consts = dict(zip(program.const_ids, program.consts))
     self.needs_gradient = seg_lib.needs_gradient(program, [ir.has_gradient(p)
                                                            for p in schedule.params])
@@ -206,7 +210,11 @@ class _State:
 
   def __init__(self, dp: _DeviceProgram, shard_leaves, batch_leaves):
     self.dp = dp
-    self.shards = list(shard_leaves)
+    self.stored = list(shard_leaves)  # this device's part of each storage leaf
+    # parameter index -> its local shard (or whole value, if persistent); rolled layers are
+    # read from their stacks by the loop (stack_of)
+    self.shards = {leaf.members[0]: x for leaf, x in zip(dp.s.storage, shard_leaves)
+                   if not leaf.rolled}
     self.env: dict[int, Any] = dict(dp.consts)
     num_params = len(dp.s.params)
     self.env.update(zip(dp.program.input_ids[num_params:], batch_leaves))
@@ -217,9 +225,13 @@ class _State:
     self.vjps: dict[int, tuple] = {}
     self.cts: dict[int, Any] = {}
     self.full_grads: dict[int, Any] = {}  # param index -> accumulated full gradient
-    # rolled layers' persistent parameters: per-layer indices -> stacked full gradient
-    self.stacked_grads: dict[tuple, Any] = {}
-    self.shard_grads: dict[int, Any] = {}
+    # rolled stacks of persistent parameters: storage index -> stacked full gradient
+    self.stacked_grads: dict[int, Any] = {}
+    self.shard_grads: dict[int, Any] = {}  # storage index -> local gradient shard
+
+  def stack_of(self, i):
+    """This device's part of the rolled stack holding parameter i (all its layers)."""
+    return self.stored[self.dp.storage_of[i]]
 
   # ---- values --------------------------------------------------------------------------
   def read(self, atom):
@@ -286,10 +298,11 @@ class _State:
                                                self.dp.wire_dtype(members[0]),
                                                self.dp.mean_over)
     for i, chunk in zip(members, chunks):
-      self.add_shard_grad(i, chunk)
+      self.add_shard_grad(self.dp.storage_of[i], chunk)
 
-  def add_shard_grad(self, i, chunk):
-    self.shard_grads[i] = chunk if i not in self.shard_grads else self.shard_grads[i] + chunk
+  def add_shard_grad(self, k, chunk):
+    """Add to the local gradient shard of storage leaf k."""
+    self.shard_grads[k] = chunk if k not in self.shard_grads else self.shard_grads[k] + chunk
 
   def run_step(self, step, phase: str):
     if step.op == "gather":
@@ -357,11 +370,11 @@ class _State:
       elif a in self.dp.needs_gradient:
         self.cts[a] = ct if a not in self.cts else self.cts[a] + ct
         self.anchor = ct
-    for i, chunks in loop.shard_grads(grads).items():
-      self.add_shard_grad(i, chunks)
-    for layers, ct in loop.stacked_param_cotangents(ct_inputs):
-      if ir.has_gradient(self.dp.s.params[layers[0]]):  # kept stacked until averaged
-        self.stacked_grads[layers] = ct
+    for i, chunks in grads.items():  # stacked parameters: [L, c] local gradient chunks
+      self.add_shard_grad(self.dp.storage_of[i], chunks)
+    for i, ct in loop.stacked_param_cotangents(ct_inputs):  # rolled persistent stacks
+      if ir.has_gradient(self.dp.s.params[i]):  # kept stacked until averaged
+        self.stacked_grads[self.dp.storage_of[i]] = ct
 
   # ---- backward --------------------------------------------------------------------------
   def start_backward(self, loss_id, loss):
@@ -414,23 +427,25 @@ class _State:
     return jax.tree.unflatten(jax.tree.structure(tree), leaves)
 
   def gradients(self) -> list:
-    s, out, persistent = self.dp.s, [], {}
-    for i, entry in enumerate(s.params):
-      if entry.persistent and ir.has_gradient(entry) and i in self.full_grads:
-        grad = self.full_grads.pop(i).astype(self.dp.reduce_dtype(i))
-        persistent[i] = grad.astype(self.dp.wire_dtype(i))  # summed as the backend would
-    stacks = [ct.astype(self.dp.reduce_dtype(layers[0])).astype(self.dp.wire_dtype(layers[0]))
-              for layers, ct in self.stacked_grads.items()]
-    # averaged stacked (one op per rolled parameter, not per layer), then split per layer
-    persistent, stacks = self.mean_over_devices((persistent, stacks))
-    for layers, stack in zip(self.stacked_grads, stacks):
-      persistent.update((i, stack[layer]) for layer, i in enumerate(layers))
-    for i, entry in enumerate(s.params):
+    """One local gradient per storage leaf: persistent ones averaged over devices (in one
+    pmean), sharded ones as reduce-scattered; zeros where untrained or unused."""
+    s, persistent = self.dp.s, {}
+    for k, leaf in enumerate(s.storage):
+      i = leaf.members[0]
+      if not leaf.entry.persistent or not ir.has_gradient(leaf.entry):
+        continue
+      grad = self.stacked_grads.get(k) if leaf.rolled else self.full_grads.pop(i, None)
+      if grad is not None:  # summed as the backend would
+        persistent[k] = grad.astype(self.dp.reduce_dtype(i)).astype(self.dp.wire_dtype(i))
+    persistent = self.mean_over_devices(persistent)
+    out = []
+    for k, leaf in enumerate(s.storage):
+      entry, i = leaf.entry, leaf.members[0]
       if entry.persistent:
-        grad = persistent.get(i, jnp.zeros(entry.shape, entry.dtype))
+        grad = persistent.get(k, jnp.zeros(entry.shape, entry.dtype))
         out.append(grad.astype(self.dp.reduce_dtype(i)).astype(entry.dtype))
-      elif i in self.shard_grads:
-        out.append(self.shard_grads[i].astype(entry.dtype))
+      elif k in self.shard_grads:
+        out.append(self.shard_grads[k].astype(entry.dtype))
       else:  # unused, frozen or non-float: zero gradient
         out.append(jnp.zeros(layout.local_shape(entry, s.num_devices), entry.dtype))
     return out

@@ -71,17 +71,13 @@ class Loop:
     return {i: state.shards[i].astype(self.dp.compute_dtype(i))
             for b in self.buckets for i in self.dp.members[b]}
 
-  def shard_grads(self, grads: dict) -> dict:
-    """param index -> its local gradient chunks, from `backward`'s stacked ones."""
-    return grads
-
   def input_cotangents(self, ct_inputs) -> list:
     """(value id, cotangent) of every input that received one."""
     return [(a, ct) for a, ct in zip(self.inputs, ct_inputs)
             if ct is not None and isinstance(a, int)]
 
   def stacked_param_cotangents(self, ct_inputs) -> list:
-    """(per-layer parameter indices, stacked cotangent) of per-layer parameters the loop
+    """(layer 0's parameter index, stacked cotangent) of per-layer parameters the loop
     reads whole (a rolled run's persistent ones); none for a scan."""
     return []
 
@@ -172,29 +168,32 @@ class Loop:
     saved = [jnp.zeros((length,) + jnp.shape(c), jnp.result_type(c)) for c in carry]
     kept = self.secondary_stacks(shards)  # hpZ: every layer's secondary shards
 
-    def iteration(i, gathered, carry, saved, ys, kept):
-      layers, secondary = gathered
+    def gather(j, tie, kept):  # layer j's weights; hpZ: its secondary written at once
+      layers, secondary = self.gather_layer(_read(shards, self.layer(j)), tie)
+      return layers, _write(kept, self.layer(j), secondary)
+
+    def iteration(i, layers, carry, saved, ys):
       new_carry, y = self.body(layers, consts + carry + _read(xs, self.layer(i)))
-      return (new_carry, _write(saved, i, carry), _write(ys, self.layer(i), y),
-              _write(kept, self.layer(i), secondary))
+      return new_carry, _write(saved, i, carry), _write(ys, self.layer(i), y)
 
     if self.prefetch["forward"]:
-      first = self.gather_layer(_read(shards, self.layer(0)), tie)
+      first, kept = gather(0, tie, kept)
 
       def step(state, i):
-        carry, gathered, saved, ys, kept = state
-        upcoming = self.gather_layer(_read(shards, self.layer(i + 1)), carry)
-        carry, saved, ys, kept = iteration(i, gathered, carry, saved, ys, kept)
+        carry, layers, saved, ys, kept = state
+        upcoming, kept = gather(i + 1, carry, kept)
+        carry, saved, ys = iteration(i, layers, carry, saved, ys)
         return (carry, upcoming, saved, ys, kept), None
 
       (carry, last, saved, ys, kept), _ = lax.scan(step, (carry, first, saved, ys, kept),
                                                    jnp.arange(length - 1))
-      carry, saved, ys, kept = iteration(length - 1, last, carry, saved, ys, kept)
+      carry, saved, ys = iteration(length - 1, last, carry, saved, ys)
     else:
       def step(state, i):
         carry, saved, ys, kept = state
-        gathered = self.gather_layer(_read(shards, self.layer(i)), carry)
-        return iteration(i, gathered, carry, saved, ys, kept), None
+        layers, kept = gather(i, carry, kept)
+        carry, saved, ys = iteration(i, layers, carry, saved, ys)
+        return (carry, saved, ys, kept), None
 
       (carry, saved, ys, kept), _ = lax.scan(step, (carry, saved, ys, kept), jnp.arange(length))
     return carry + ys, (consts, saved, xs, kept)

@@ -3,14 +3,15 @@
 The machinery is the scan loop's (execute_loop.py): one layer's gathers, compute and
 reduce-scatters per iteration, backward recomputing each iteration from its saved carry.
 What differs is where the loop's pieces come from: the body is the first layer's ops with
-their inputs rewired (roll.Run.sources), the stacked shards are built by stacking each
-layer's own leaf (storage stays per leaf: a copy of 1/N of the rolled layers per step),
-and gradients are handed back to each layer's leaf.
+their inputs rewired (roll.Run.sources), and each per-layer parameter's layers are read from
+its stack in the sharded layout (ParamEntry.stack), which the schedule must give in the
+run's layer order.
 """
 
 import jax.numpy as jnp
 
 from zjax._src import segments as seg_lib
+from zjax._src.errors import ScheduleMismatchError
 from zjax._src.execute_loop import Loop
 
 
@@ -24,7 +25,14 @@ class RolledLoop(Loop):
     self.read_steps(forward_step, backward_step)
     self.stacked_inputs, self.layer_slices = {}, {}
     self.template = dp.program.ops[run.start:run.start + run.block]
-    self.layers_of = {layers[0]: layers for layers in run.stacked}
+    for layers in run.stacked:
+      stored = dp.s.storage[dp.storage_of[layers[0]]].members
+      if stored != tuple(layers):
+        paths = lambda ids: [dp.s.params[i].path for i in ids[:3]]
+        raise ScheduleMismatchError(
+            f"Segment {segment} rolls the layers {paths(layers)}..., but the schedule "
+            f"stores {dp.s.params[layers[0]].path} in a stack of {paths(stored)}...: the "
+            f"schedule does not match this program. Recompile the schedule.")
     gathered = {i for b in self.buckets for i in dp.members[b]}
     # stacked position -> layer-0 parameter (gathered per iteration), or -> xs position
     # (persistent per-layer parameters: stacked whole, sliced by the scan)
@@ -42,18 +50,14 @@ class RolledLoop(Loop):
              jnp.zeros(self.dp.program.avals[o].shape, self.dp.program.avals[o].dtype)
              for a, o in zip(self.run.carry_in, self.run.outputs)]
     xs = [jnp.asarray(v) for v in self.run.xs]
-    xs += [jnp.stack([state.base_value(i) for i in self.run.stacked[p]])
-           for p in self.replicated]
+    xs += [self._stack(state, self.run.stacked[p][0]) for p in self.replicated]
     return consts + carry + xs
 
   def stacked_shards(self, state) -> dict:
-    return {i0: jnp.stack([state.shards[i].astype(self.dp.compute_dtype(i))
-                           for i in self.layers_of[i0]])
-            for b in self.buckets for i0 in self.dp.members[b]}
+    return {i0: self._stack(state, i0) for b in self.buckets for i0 in self.dp.members[b]}
 
-  def shard_grads(self, grads: dict) -> dict:
-    return {i: g[layer] for i0, g in grads.items()
-            for layer, i in enumerate(self.layers_of[i0])}
+  def _stack(self, state, i0):
+    return state.stack_of(i0).astype(self.dp.compute_dtype(i0))
 
   def input_cotangents(self, ct_inputs) -> list:
     return [(a, ct) for a, ct in zip(self.inputs, ct_inputs[:self.first_xs])
@@ -61,8 +65,8 @@ class RolledLoop(Loop):
 
   def stacked_param_cotangents(self, ct_inputs) -> list:
     first_stack = self.first_xs + len(self.run.xs)
-    return [(self.run.stacked[p], ct) for p, ct in zip(self.replicated,
-                                                       ct_inputs[first_stack:])
+    return [(self.run.stacked[p][0], ct) for p, ct in zip(self.replicated,
+                                                          ct_inputs[first_stack:])
             if ct is not None]
 
   def body(self, layers: dict, inputs: list):

@@ -23,7 +23,10 @@ Vocabulary:
     "drop_secondary".
   * rolled layers: L consecutive identical layers of an unrolled model run as a loop step
     too; a rolled bucket lists layer 0's parameters and every layer's (`layers`), each
-    iteration gathering that layer's leaves.
+    iteration gathering that layer's slice. Each per-layer parameter names the stack it is
+    stored in (`stack`: layer 0's path) and its row there (`layer`): the L leaves are one
+    leaf of the sharded layout, [L, padded layer] as for a scan (or [L, *shape] replicated
+    if persistent), at layer 0's path (see StorageLeaf).
   * loops: a parameter stacked along a layer axis and consumed whole by one scan (as its xs)
     is *stacked*: stored [L, padded layer], each device holding 1/N of every layer. Its
     bucket (all stacked members of one module) is gathered one layer at a time inside a
@@ -55,6 +58,16 @@ class ParamEntry:
   uses: tuple[int, ...]
   frozen: bool = False  # gathered for compute, but no gradient, reduction or optimizer state
   stacked: bool = False  # stored per layer slice [L, padded layer], gathered per iteration
+  # A rolled layer's parameter: the path of the stack it is stored in (layer 0's path; ""
+  # for a leaf stored on its own) and its row there.
+  stack: str = ""
+  layer: int = 0
+
+  def to_dict(self) -> dict:
+    out = dataclasses.asdict(self)
+    if not self.stack:  # most parameters: the file stays as it was before rolled storage
+      del out["stack"], out["layer"]
+    return out
 
   @property
   def size(self) -> int:
@@ -71,6 +84,46 @@ class ParamEntry:
 
 
 @dataclasses.dataclass(frozen=True)
+class StorageLeaf:
+  """One leaf of the sharded layout: a parameter's own, or a rolled stack holding L
+  per-layer parameters (`members`, in layer order) at layer 0's path."""
+  entry: ParamEntry  # as stored; a stack's has shape (L, *layer shape), stacked if sharded
+  members: tuple[int, ...]  # indices of the parameters it holds (one, or the L layers)
+
+  @property
+  def path(self) -> str:
+    return self.entry.path
+
+  @property
+  def rolled(self) -> bool:
+    return bool(self.entry.stack)
+
+
+def storage_leaves(params) -> tuple[StorageLeaf, ...]:
+  """The sharded layout's leaves, in tree order: every parameter stored on its own, and
+  each rolled stack at the position of its layer 0 (its other layers hold no leaf)."""
+  rows: dict[str, list[int]] = {}
+  for i, p in enumerate(params):
+    if p.stack:
+      rows.setdefault(p.stack, []).append(i)
+  out = []
+  for i, p in enumerate(params):
+    if not p.stack:
+      out.append(StorageLeaf(p, (i,)))
+    elif p.stack == p.path:
+      members = tuple(sorted(rows[p.path], key=lambda j: params[j].layer))
+      out.append(StorageLeaf(stacked_entry(p, len(members)), members))
+  return tuple(out)
+
+
+def stacked_entry(first: ParamEntry, length: int) -> ParamEntry:
+  """How a rolled stack of `length` layers like `first` is stored: as a scanned parameter
+  [L, *shape] would be (sharded per layer row), or replicated whole if persistent."""
+  return dataclasses.replace(first, shape=(length,) + tuple(first.shape), uses=(),
+                             stacked=not first.persistent)
+
+
+@dataclasses.dataclass(frozen=True)
 class Bucket:
   id: int
   module: str  # owning module of its parameters
@@ -79,7 +132,7 @@ class Bucket:
   frozen: bool = False  # all its parameters are frozen (a bucket never mixes)
   stacked: bool = False  # gathered one layer at a time in a loop
   # A rolled run of identical layers (roll.py): each layer's parameter paths, layer 0's
-  # being `params`; its members stay per-layer leaves (not stacked storage). () otherwise.
+  # being `params` (each parameter's layers are one stack of the layout). () otherwise.
   layers: tuple[tuple[str, ...], ...] = ()
 
   @property

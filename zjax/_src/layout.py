@@ -1,7 +1,9 @@
 """The sharded layout: every sharded leaf flat, zero-padded to a multiple of N, 1/N per device;
 persistent leaves replicated; a stacked leaf (gathered one layer at a time in a loop) as
 [L, padded layer], each layer's row split over the devices, so that every device holds 1/N
-of every layer. The pytree keeps the params' own structure.
+of every layer. The pytree keeps the params' own structure, except that a rolled run's L
+per-layer leaves are one stacked leaf at layer 0's path (stored as a scanned parameter
+[L, ...] would be) and the other layers' paths hold None.
 
 Also the per-bucket packing used at gather time: device d concatenates its chunks of a
 bucket's leaves, one all-gather returns an [N, bucket/N] rank-major buffer, and each leaf is
@@ -22,9 +24,19 @@ from zjax._src import ir
 from zjax._src.errors import ZjaxError
 
 
-def param_specs(schedule) -> list[P]:
-  """PartitionSpec of each leaf's storage, in schedule (= tree-flatten) order."""
-  return [storage_spec(p, storage_axis(schedule.config)) for p in schedule.params]
+def storage_specs(schedule) -> list[P]:
+  """PartitionSpec of each leaf of the sharded layout (schedule.storage order)."""
+  axis = storage_axis(schedule.config)
+  return [storage_spec(leaf.entry, axis) for leaf in schedule.storage]
+
+
+def abstract_storage(schedule, mesh):
+  """The sharded layout as a pytree of ShapeDtypeStructs carrying their shardings."""
+  n = schedule.num_devices
+  return storage_tree(schedule, [
+      jax.ShapeDtypeStruct(storage_shape(leaf.entry, n), leaf.entry.dtype,
+                           sharding=NamedSharding(mesh, spec))
+      for leaf, spec in zip(schedule.storage, storage_specs(schedule))])
 
 
 def storage_axis(config):
@@ -94,17 +106,57 @@ def storage_padding(x, entry):
   return x[entry.size:]
 
 
-def mirrored_param(path: str, shape, schedule) -> int | None:
-  """Index of the parameter an optimizer-state leaf mirrors (e.g. adam's mu for that
-  parameter): its path ends with the parameter's path and it has the parameter's storage
+def natural_of_leaf(values, leaf, xp=jnp):
+  """The natural value a storage leaf holds, from its members' natural values: a rolled
+  stack's layers stacked [L, ...], any other leaf's own value."""
+  return xp.stack(values) if leaf.rolled else values[0]
+
+
+def members_of_natural(x, leaf) -> list:
+  """Inverse of `natural_of_leaf`: the members' natural values (a stack's rows)."""
+  return [x[layer] for layer in range(len(leaf.members))] if leaf.rolled else [x]
+
+
+def mirrored_storage(path: str, shape, schedule) -> int | None:
+  """Index (in schedule.storage) of the leaf an optimizer-state leaf mirrors (e.g. adam's
+  mu for that parameter): its path ends with the leaf's path and it has the leaf's storage
   shape. None for other leaves (step counts, scalars)."""
   best = None
-  for i, entry in enumerate(schedule.params):
+  for i, leaf in enumerate(schedule.storage):
+    entry = leaf.entry
     if path.endswith(entry.path) and \
         tuple(shape) == storage_shape(entry, schedule.num_devices) and \
-        (best is None or len(entry.path) > len(schedule.params[best].path)):
+        (best is None or len(entry.path) > len(schedule.storage[best].entry.path)):
       best = i
   return best
+
+
+def storage_tree(schedule, leaves, like=None):
+  """The sharded layout's pytree from its leaves (schedule.storage order): the structure of
+  `like` (natural params), else the params' (nested dicts by path for a schedule loaded
+  from a file), with None at the paths of a rolled stack's layers 1..L-1."""
+  heads = iter(leaves)
+  stored = {leaf.members[0] for leaf in schedule.storage}
+  full = [next(heads) if i in stored else None for i in range(len(schedule.params))]
+  if like is not None:
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), full)
+  return natural_tree(schedule, full)
+
+
+def natural_like(tree, schedule, leaves):
+  """Natural leaves (one per parameter, schedule order) in the structure of `tree`, a
+  pytree in the sharded layout (its containers, e.g. FrozenDict or nnx.State, are kept)."""
+  by_path = {p.path: x for p, x in zip(schedule.params, leaves)}
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: by_path.get(jax.tree_util.keystr(path), x), tree,
+      is_leaf=lambda x: x is None)
+
+
+def natural_tree(schedule, leaves):
+  """A pytree with the params' structure from one leaf per parameter (schedule order)."""
+  if schedule.params_treedef is not None:
+    return jax.tree_util.tree_unflatten(schedule.params_treedef, leaves)
+  return tree_from_paths([p.path for p in schedule.params], leaves)
 
 
 def tree_from_paths(paths, leaves):
@@ -142,7 +194,8 @@ def shard(params: Any, schedule, mesh) -> Any:
 
   Accepts numpy or jax arrays on any placement. Padding is always zero. Host (numpy) leaves
   are padded on the host and sent straight to their shards; device leaves are laid out by
-  one compiled program.
+  one compiled program. A rolled run's per-layer leaves become one stacked leaf at layer
+  0's path (the others' paths hold None).
 
   Example:
     >>> sharded = zjax.shard(params, schedule, mesh)       # doctest: +SKIP
@@ -150,38 +203,45 @@ def shard(params: Any, schedule, mesh) -> Any:
     (4096,)
   """
   check_mesh(schedule, mesh)
-  leaves, treedef = matching_leaves(params, schedule, "params")
-  shardings = [NamedSharding(mesh, spec) for spec in param_specs(schedule)]
-  out = [None] * len(leaves)
-  on_device = []
-  for i, (leaf, entry) in enumerate(zip(leaves, schedule.params)):
+  leaves = natural_leaves(params, schedule, "params")
+  for leaf, entry in zip(leaves, schedule.params):
     _check_leaf(leaf, entry)
-    if isinstance(leaf, jax.Array):
-      on_device.append(i)
+  shardings = [NamedSharding(mesh, spec) for spec in storage_specs(schedule)]
+  members = [[leaves[i] for i in leaf.members] for leaf in schedule.storage]
+  out = [None] * len(schedule.storage)
+  on_device = []
+  for k, (values, leaf) in enumerate(zip(members, schedule.storage)):
+    if any(isinstance(x, jax.Array) for x in values):
+      on_device.append(k)
     else:
-      host = storage_from_natural(np.asarray(leaf), entry, schedule.num_devices, np)
-      out[i] = jax.device_put(host, shardings[i])
+      natural = natural_of_leaf([np.asarray(x) for x in values], leaf, np)
+      host = storage_from_natural(natural, leaf.entry, schedule.num_devices, np)
+      out[k] = jax.device_put(host, shardings[k])
   if on_device:
-    laid_out = _lay_out_on_devices([leaves[i] for i in on_device],
-                                   [schedule.params[i] for i in on_device],
-                                   [shardings[i] for i in on_device], schedule, mesh)
-    for i, x in zip(on_device, laid_out):
-      out[i] = x
-  return jax.tree_util.tree_unflatten(treedef, out)
+    laid_out = _lay_out_on_devices([members[k] for k in on_device],
+                                   [schedule.storage[k] for k in on_device],
+                                   [shardings[k] for k in on_device], schedule, mesh)
+    for k, x in zip(on_device, laid_out):
+      out[k] = x
+  return storage_tree(schedule, out, like=params)
 
 
-def _lay_out_on_devices(leaves, entries, shardings, schedule, mesh):
+def _lay_out_on_devices(members, storage, shardings, schedule, mesh):
   """One program for all device leaves. A leaf on other devices than the mesh's goes
   through the host; one sharded some other way is replicated first, inside the program."""
   devices = set(mesh.devices.flat)
-  leaves = [np.asarray(x) if x.sharding.device_set != devices else x for x in leaves]
+  members = [[x if isinstance(x, jax.Array) and x.sharding.device_set == devices else
+              np.asarray(x) for x in values] for values in members]
 
-  def lay_out(xs):
-    return [x if e.persistent else
-            storage_from_natural(place(x, mesh, P()), e, schedule.num_devices)
-            for x, e in zip(xs, entries)]
+  def lay_out(members):
+    out = []
+    for values, leaf in zip(members, storage):
+      natural = natural_of_leaf([place(jnp.asarray(x), mesh, P()) for x in values], leaf)
+      out.append(natural if leaf.entry.persistent else
+                 storage_from_natural(natural, leaf.entry, schedule.num_devices))
+    return out
 
-  return jax.jit(lay_out, out_shardings=shardings)(leaves)
+  return jax.jit(lay_out, out_shardings=shardings)(members)
 
 
 def largest_dim_spec(shape, num_devices: int, axis: str) -> P:
@@ -205,33 +265,40 @@ def per_device_bytes(tree) -> int:
 def unshard(sharded: Any, schedule) -> Any:
   """The natural-shape params of a sharded pytree, bitwise equal to what `shard` was given.
   Leaves on one mesh come back replicated on it, from one compiled program."""
-  leaves, treedef = matching_leaves(sharded, schedule, "sharded")
-  for leaf, entry in zip(leaves, schedule.params):
-    expected = storage_shape(entry, schedule.num_devices)
-    if tuple(np.shape(leaf)) != expected:
-      raise ZjaxError(f"Sharded leaf {entry.path} has shape {tuple(np.shape(leaf))}; the "
+  leaves = stored_leaves(sharded, schedule, "sharded")
+  for x, leaf in zip(leaves, schedule.storage):
+    expected = storage_shape(leaf.entry, schedule.num_devices)
+    if tuple(np.shape(x)) != expected:
+      raise ZjaxError(f"Sharded leaf {leaf.path} has shape {tuple(np.shape(x))}; the "
                       f"schedule's layout stores it as {expected}.")
   meshes = {getattr(getattr(x, "sharding", None), "mesh", None) for x in leaves}
   mesh = meshes.pop() if len(meshes) == 1 else None
   if not isinstance(mesh, jax.sharding.Mesh):  # host or mixed placements: leaf by leaf
-    out = [natural_from_storage(jnp.asarray(leaf), e) for leaf, e in zip(leaves, schedule.params)]
+    out = _natural_members(schedule, [jnp.asarray(x) for x in leaves],
+                           lambda x, leaf: natural_from_storage(x, leaf.entry))
   else:
     out = _unshard_program(schedule, mesh)(leaves)
-  return jax.tree_util.tree_unflatten(treedef, out)
+  return natural_like(sharded, schedule, out)
+
+
+def _natural_members(schedule, leaves, natural) -> list:
+  """One natural value per parameter (schedule order) from the storage leaves."""
+  out = [None] * len(schedule.params)
+  for x, leaf in zip(leaves, schedule.storage):
+    for i, value in zip(leaf.members, members_of_natural(natural(x, leaf), leaf)):
+      out[i] = value
+  return out
 
 
 @functools.lru_cache(maxsize=32)
 def _unshard_program(schedule, mesh):
-  entries = schedule.params
-
-  def natural(leaves):
-    return [x if e.persistent else natural_from_storage(place(x, mesh, P()), e)
-            for x, e in zip(leaves, entries)]
+  def natural(x, leaf):
+    return x if leaf.entry.persistent else natural_from_storage(place(x, mesh, P()),
+                                                                leaf.entry)
 
   replicated = NamedSharding(mesh, P())
-  return jax.jit(natural, out_shardings=[
-      NamedSharding(mesh, spec) if e.persistent else replicated
-      for e, spec in zip(entries, param_specs(schedule))])
+  return jax.jit(lambda leaves: _natural_members(schedule, leaves, natural),
+                 out_shardings=[replicated] * len(schedule.params))
 
 
 def check_mesh(schedule, mesh) -> None:
@@ -319,18 +386,29 @@ def _spec_axes(spec) -> list[str]:
   return axes
 
 
-def matching_leaves(tree, schedule, what):
-  """Leaves of `tree` in schedule order; an error names what differs from the schedule."""
-  path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+def natural_leaves(tree, schedule, what) -> list:
+  """Leaves of a natural-shape params `tree`, one per parameter in schedule order; an error
+  names what differs from the schedule."""
+  return _leaves_by_paths(tree, [p.path for p in schedule.params], what,
+                          "Use the params the schedule was compiled for.")
+
+
+def stored_leaves(tree, schedule, what) -> list:
+  """Leaves of a pytree in the sharded layout (schedule.storage order)."""
+  advice = ("Use a pytree in the schedule's sharded layout (zjax.shard(params, schedule, "
+            "mesh)): a rolled run's layers are one stacked leaf at layer 0's path.")
+  return _leaves_by_paths(tree, [leaf.path for leaf in schedule.storage], what, advice)
+
+
+def _leaves_by_paths(tree, expected, what, advice) -> list:
+  path_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
   paths = [jax.tree_util.keystr(p) for p, _ in path_leaves]
-  expected = [p.path for p in schedule.params]
   if paths != expected:
     missing = sorted(set(expected) - set(paths))
     extra = sorted(set(paths) - set(expected))
     raise ZjaxError(f"The {what} pytree does not match the schedule's parameters "
-                    f"(missing: {missing[:3]}, unexpected: {extra[:3]}). Use the params the "
-                    f"schedule was compiled for.")
-  return [leaf for _, leaf in path_leaves], treedef
+                    f"(missing: {missing[:3]}, unexpected: {extra[:3]}). {advice}")
+  return [leaf for _, leaf in path_leaves]
 
 
 def _check_leaf(leaf, entry):

@@ -4,8 +4,9 @@ parameters? Checked by running both on random probes, not guessed from names.
 The trainer applies the optimizer to flat, zero-padded leaves. That is exact for element-wise
 transforms and for global or per-leaf norms (reductions over the whole flat leaf, padding
 zero), and wrong for transforms that use a parameter's shape (Adafactor's factored moments,
-Muon's orthogonalisation) or that write into the padding. The probe runs two updates on
-random parameters and gradients, both ways, and compares them.
+Muon's orthogonalisation) or that write into the padding. A rolled run's layers are one
+stacked leaf, so per-leaf norms or labels would span all its layers there: wrong too. The
+probe runs two updates on random parameters and gradients, both ways, and compares them.
 
 What it costs: one compiled program over one representative trained leaf per distinct
 (shape, dtype, layout), so it grows with the number of distinct shapes, not with leaves or
@@ -40,8 +41,8 @@ class _CannotRunNatural(Exception):
 def check_optimizer(optimizer, schedule, mesh, treedef, trainable, *, name: str) -> None:
   """Raise ZjaxError naming a parameter where `optimizer` differs on the sharded layout.
 
-  `trainable`: one bool per schedule parameter (tree order); `treedef`: the params' pytree
-  structure (for the fallback that probes every leaf)."""
+  `trainable`: one bool per leaf of the sharded layout (schedule.storage); `treedef`: the
+  sharded layout's pytree structure (for the fallback that probes every leaf)."""
   reps = representatives(schedule, trainable)
   if not reps:
     return
@@ -59,19 +60,29 @@ def check_optimizer(optimizer, schedule, mesh, treedef, trainable, *, name: str)
 
 
 def representatives(schedule, trainable) -> list:
-  """The first trained leaf of each distinct (shape, dtype, layout) in tree order."""
+  """The first trained storage leaf of each distinct (shape, dtype, layout) in tree order;
+  a rolled stack stands in with its first two layers (enough to tell statistics per layer,
+  as optax keeps them on the natural leaves, from statistics over the whole stack)."""
   seen, reps = set(), []
-  for entry, trains in zip(schedule.params, trainable):
-    kind = (entry.shape, entry.dtype, entry.persistent, entry.stacked)
+  for leaf, trains in zip(schedule.storage, trainable):
+    e = leaf.entry
+    kind = (e.shape[1:] if leaf.rolled else e.shape, e.dtype, e.persistent, e.stacked,
+            leaf.rolled)
     if trains and kind not in seen:
       seen.add(kind)
-      reps.append(entry)
+      reps.append(_two_layers(leaf, schedule) if leaf.rolled else leaf)
   return reps
+
+
+def _two_layers(leaf, schedule):
+  first = schedule.params[leaf.members[0]]
+  return ir.StorageLeaf(ir.stacked_entry(first, 2), leaf.members[:2])
 
 
 def _cache_key(optimizer, schedule, reps):
   key = (optimizer, schedule.num_devices,
-         tuple((e.path, e.shape, e.dtype, e.persistent, e.stacked) for e in reps))
+         tuple((r.path, r.entry.shape, r.entry.dtype, r.entry.persistent, r.entry.stacked,
+                r.rolled) for r in reps))
   try:
     hash(key)
   except TypeError:  # an optimizer object that cannot be hashed: not cached
@@ -83,94 +94,136 @@ def _find_error(optimizer, schedule, mesh, treedef, trainable, reps, name) -> st
   """The error text, or None when the optimizer is shard-compatible."""
   auto = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
   try:
-    tree = _tree_by_paths(reps)
-    return _probe(optimizer, schedule, auto, reps, tree, name)
+    return _probe(optimizer, schedule, auto, reps, *_trees_by_paths(schedule, reps), name)
   except _CannotRunNatural:  # needs the params' own structure (e.g. a label pytree)
-    mask = jax.tree_util.tree_unflatten(treedef, list(trainable))
-    entries = list(schedule.params)
-    build = lambda leaves: jax.tree_util.tree_unflatten(treedef, leaves)
+    trains = {p.path: ir.has_gradient(p) for p in schedule.params}
+    mask = lambda tree: jax.tree_util.tree_map_with_path(
+        lambda path, _: trains[jax.tree_util.keystr(path)], tree)
+    order = [i for leaf in schedule.storage for i in leaf.members]  # the probe's order
+    natural = lambda values: layout.natural_tree(
+        schedule, [x for _, x in sorted(zip(order, values), key=lambda pair: pair[0])])
+    stored = lambda leaves: jax.tree_util.tree_unflatten(treedef, leaves)
     try:
-      return _probe(optax.masked(optimizer, mask), schedule, auto, entries, build, name,
-                    judged=trainable)
+      return _probe(optax.masked(optimizer, mask), schedule, auto, list(schedule.storage),
+                    natural, stored, name, judged=trainable)
     except _CannotRunNatural as e:
       raise ZjaxError(f"The optimizer {name} fails on the parameters themselves (before "
                       f"any sharding): {e}") from None
 
 
-def _tree_by_paths(entries):
-  paths = [e.path for e in entries]
+def _trees_by_paths(schedule, leaves):
+  """(natural build, storage build): pytrees by path of the leaves' members, and of the
+  leaves themselves (None at a stack's other layers), as the trainer's trees are."""
+  paths = [schedule.params[i].path for leaf in leaves for i in leaf.members]
+  heads = {leaf.path for leaf in leaves}
   try:
     layout.tree_from_paths(paths, list(range(len(paths))))
   except ZjaxError as e:  # paths that do not rebuild into nested dicts
     raise _CannotRunNatural(str(e)) from None
-  return lambda leaves: layout.tree_from_paths(paths, leaves)
+
+  def stored(values):
+    it = iter(values)
+    return layout.tree_from_paths(paths, [next(it) if p in heads else None for p in paths])
+
+  return (lambda values: layout.tree_from_paths(paths, values)), stored
 
 
-def _probe(optimizer, schedule, mesh, entries, build, name, judged=None) -> str | None:
-  judged = [True] * len(entries) if judged is None else list(judged)
-  params, *grads = [_random_leaves(entries, schedule, mesh, c) for c in range(1 + _UPDATES)]
-  natural_run = lambda p, gs: _updates(optimizer, build(p), [build(g) for g in gs])
+def _probe(optimizer, schedule, mesh, leaves, natural, stored, name, judged=None):
+  """The error text or None; `leaves`: the storage leaves probed, `natural` / `stored`:
+  pytree builders from their members' / their own leaves."""
+  judged = [True] * len(leaves) if judged is None else list(judged)
+  members = [schedule.params[i] for leaf in leaves for i in leaf.members]
+  params, *grads = [_random_leaves(members, schedule, mesh, c) for c in range(1 + _UPDATES)]
+  natural_run = lambda p, gs: _updates(optimizer, natural(p), [natural(g) for g in gs])
   try:
     jax.eval_shape(natural_run, params, grads)
   except Exception as e:
     raise _CannotRunNatural(f"{type(e).__name__}: {e}") from None
-  program = _comparison(optimizer, schedule, mesh, entries, judged, build)
+  program = _comparison(optimizer, schedule, mesh, leaves, judged, natural, stored)
   try:
     table = np.asarray(program(params, grads))
   except Exception as e:  # the transform cannot even run on flat leaves
     return (f"The optimizer {name} cannot run on the sharded layout (flat, padded leaves): "
             f"{type(e).__name__}: {e}. It depends on parameter shapes; use an element-wise "
             f"optimizer (sgd, adam, adamw, lion, ...).")
+  judged_members = [(leaf, schedule.params[i]) for leaf, j in zip(leaves, judged) if j
+                    for i in leaf.members]
   for step, rows in enumerate(table):
-    for entry, (diff, pad, scale) in zip([e for e, j in zip(entries, judged) if j], rows):
-      error = _judge(name, entry, step, float(diff), float(pad), float(scale))
+    for (leaf, entry), (diff, pad, scale) in zip(judged_members, rows):
+      error = _judge(name, leaf, entry, step, float(diff), float(pad), float(scale))
       if error:
         return error
   return None
 
 
-def _judge(name, entry, step, diff, pad, scale) -> str | None:
+def _judge(name, leaf, entry, step, diff, pad, scale) -> str | None:
   if pad == 0.0 and diff <= _RTOL * max(scale, 1e-30):
     return None
   what = (f"writes into the zero padding (max {pad:.3g})" if pad else
           f"differs from optax on the whole parameter (max difference {diff:.3g} vs update "
           f"scale {scale:.3g})")
+  rolled = (" Its layers are stored as one stacked leaf (rolled layers): statistics or "
+            "labels per leaf see every layer at once there. Use "
+            "ZeroConfig(roll_layers=False) with this optimizer, or one that is element-wise "
+            "or uses global norms." if leaf.rolled else "")
   return (f"The optimizer {name} is not shard-compatible: on the flat sharded layout its "
-          f"update of {entry.path} (shape {list(entry.shape)}, update {step + 1}) {what}. It "
-          f"depends on parameter shapes (like Adafactor's factored moments or Muon's "
+          f"update of {entry.path} (shape {list(entry.shape)}, update {step + 1}) {what}.{rolled}"
+          f" It depends on parameter shapes (like Adafactor's factored moments or Muon's "
           f"orthogonalisation); use an element-wise or norm-based optimizer (sgd, adam, adamw, "
           f"lion, lamb, lars, ...).")
 
 
-def _comparison(optimizer, schedule, mesh, entries, judged, build):
-  """One jitted program: probes -> [update, judged leaf, (max |difference|, max |padding|,
-  max |natural update|)]."""
+def _comparison(optimizer, schedule, mesh, leaves, judged, natural, stored):
+  """One jitted program: probes -> [update, judged member, (max |difference|, max
+  |padding|, max |natural update|)]."""
   n, axis = schedule.num_devices, layout.storage_axis(schedule.config)
 
   # Leaves change layout through their replicated form: GSPMD reshards any other way by a
   # full rematerialisation, with a warning per leaf.
   whole = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
 
-  def flat(leaves):
-    return [jax.lax.with_sharding_constraint(
-        layout.storage_from_natural(whole(x), e, n),
-        NamedSharding(mesh, layout.storage_spec(e, axis))) for x, e in zip(leaves, entries)]
+  def flat(member_values):
+    it, out = iter(member_values), []
+    for leaf in leaves:
+      x = layout.natural_of_leaf([whole(next(it)) for _ in leaf.members], leaf)
+      out.append(jax.lax.with_sharding_constraint(
+          layout.storage_from_natural(x, leaf.entry, n),
+          NamedSharding(mesh, layout.storage_spec(leaf.entry, axis))))
+    return out
 
-  def leaf_row(entry, natural, flat_update):
-    natural = whole(natural).astype(jnp.float32)
+  def leaf_rows(leaf, naturals, flat_update):
     flat_update = whole(flat_update).astype(jnp.float32)
-    scale = jnp.max(jnp.abs(natural), initial=0.0)
-    back = layout.natural_from_storage(flat_update, entry)
-    pad = jnp.max(jnp.abs(layout.storage_padding(flat_update, entry)), initial=0.0)
-    return jnp.stack([jnp.max(jnp.abs(back - natural), initial=0.0), pad, scale])
+    backs = layout.members_of_natural(layout.natural_from_storage(flat_update, leaf.entry),
+                                      leaf)
+    pad = jnp.max(jnp.abs(layout.storage_padding(flat_update, leaf.entry)), initial=0.0)
+    rows = []
+    for natural_update, back in zip(naturals, backs):
+      natural_update = whole(natural_update).astype(jnp.float32)
+      rows.append(jnp.stack([jnp.max(jnp.abs(back - natural_update), initial=0.0), pad,
+                             jnp.max(jnp.abs(natural_update), initial=0.0)]))
+    return rows
+
+  # which input each flattened leaf of a built tree is (the builders may reorder: nested
+  # dicts flatten in key order)
+  members = [i for leaf in leaves for i in leaf.members]
+  natural_order = jax.tree.leaves(natural(list(range(len(members)))))
+  stored_order = jax.tree.leaves(stored(list(range(len(leaves)))))
 
   def compare(params, grads):
-    natural_steps = _updates(optimizer, build(params), [build(g) for g in grads])
-    flat_steps = _updates(optimizer, build(flat(params)), [build(flat(g)) for g in grads])
-    return jnp.stack([
-        jnp.stack([leaf_row(e, a, b) for e, a, b, j in zip(
-            entries, jax.tree.leaves(nat), jax.tree.leaves(fl), judged) if j])
-        for nat, fl in zip(natural_steps, flat_steps)])
+    natural_steps = _updates(optimizer, natural(params), [natural(g) for g in grads])
+    flat_steps = _updates(optimizer, stored(flat(params)), [stored(flat(g)) for g in grads])
+    table = []
+    for nat, fl in zip(natural_steps, flat_steps):
+      nat = dict(zip(natural_order, jax.tree.leaves(nat)))
+      fl = dict(zip(stored_order, jax.tree.leaves(fl)))
+      rows, first = [], 0
+      for k, (leaf, j) in enumerate(zip(leaves, judged)):
+        if j:
+          naturals = [nat[first + m] for m in range(len(leaf.members))]
+          rows += leaf_rows(leaf, naturals, fl[k])
+        first += len(leaf.members)
+      table.append(jnp.stack(rows))
+    return jnp.stack(table)
 
   return jax.jit(compare, out_shardings=NamedSharding(mesh, P()))
 

@@ -6,7 +6,8 @@
    stacked parameters (loops.py: consumed one layer per iteration by a scan) form buckets
    of their own, gathered one layer at a time. With `roll_layers`, runs of identical
    layers (roll.py) are loops too: their buckets hold the first layer's parameters and
-   list every layer's (`Bucket.layers`).
+   list every layer's (`Bucket.layers`); each per-layer parameter is stored in its run's
+   stack (`ParamEntry.stack`/`layer`: one [L, ...] leaf of the layout, as a scan's).
 3. Segments: the op list cut so that a segment starts where a bucket that is not yet in use
    is needed, and ends right after its last parameter use (releases come promptly). A scan
    with stacked parameters, or a rolled run of layers, is a segment of its own, run by a
@@ -133,11 +134,14 @@ def _plan(trace, config, axis_sizes, frozen, platform) -> Schedule:
   groups = _group_buckets(trace, persistent, frozen, stacked, layers_of)
   bucket_of = {i: b for b, (*_, members) in enumerate(groups) for i in members}
   bucket_of.update({i: bucket_of[layers[0]] for layers in layers_of.values() for i in layers})
+  stack_of = {i: (trace.params[layers[0]].path, layer) for run in rolling.runs
+              for layers in run.stacked for layer, i in enumerate(layers)}
   entries = tuple(
       ir.ParamEntry(path=p.path, shape=p.shape, dtype=p.dtype.name,
                     persistent=p.index in persistent, bucket=bucket_of.get(p.index),
                     uses=tuple(u.op for u in p.uses), frozen=p.index in frozen,
-                    stacked=p.index in stacked)
+                    stacked=p.index in stacked, stack=stack_of.get(p.index, ("", 0))[0],
+                    layer=stack_of.get(p.index, ("", 0))[1])
       for p in trace.params)
   buckets = tuple(
       ir.Bucket(id=b, module=module, dtype=dtype,

@@ -51,9 +51,6 @@ def make_report(s, sim) -> dict:
       "peak_live_param_bytes": max(sim.forward_live + sim.backward_live, default=0),
       "peak_live_grad_bytes": max(sim.backward_grad_live, default=0),
       "state_bytes_per_device": state_bytes_per_device(s),
-      # rolled layers: the loop reads this device's shards of every layer stacked (compute
-      # dtype) and writes their gradient chunks stacked (reduce dtype): transient copies
-      "loop_stack_bytes": loop_stack_bytes(s),
       "loops": [_loop_report(phase, st, bucket_bytes, grad_bytes)
                 for phase, steps in (("forward", s.forward), ("backward", s.backward))
                 for st in steps if st.op == ir.LOOP_OP],
@@ -116,20 +113,6 @@ def _loop_report(phase, step, bucket_bytes, grad_bytes) -> dict:
           "all_gather_bytes_per_iteration": sum(bucket_bytes[b] for b in gathers),
           "reduce_scatter_count_per_iteration": len(scatters),
           "reduce_scatter_bytes_per_iteration": sum(grad_bytes[b] for b in scatters)}
-
-
-def loop_stack_bytes(s) -> int:
-  """Per device: the stacked shard copies of every rolled bucket (all layers), and of its
-  gradient chunks when trained."""
-  total, by_path = 0, {p.path: p for p in s.params}
-  for b in s.buckets:
-    for path in b.loop_paths if b.layers else ():
-      entry = by_path[path]
-      chunk = ir.local_elements(entry, s.num_devices)
-      total += chunk * ir.gather_dtype(entry.dtype, s.config.compute_dtype).itemsize
-      if ir.has_gradient(entry):
-        total += chunk * ir.reduce_dtype(entry.dtype, s.config).itemsize
-  return total
 
 
 def state_bytes_per_device(s) -> int:

@@ -74,6 +74,8 @@ class Schedule:
           f"table and program ({expected[:12]}...): the table was edited. Regenerate the "
           f"schedule with `zjax inspect ... --save FILE` instead of editing parameters.")
     object.__setattr__(self, "_simulation", validate.validate_schedule(self))
+    # the leaves of the sharded layout (rolled stacks as one leaf each), in tree order
+    object.__setattr__(self, "storage", ir.storage_leaves(self.params))
 
   def __eq__(self, other):
     return isinstance(other, Schedule) and self.to_json() == other.to_json()
@@ -131,7 +133,7 @@ class Schedule:
         "shard_sizes": list(self.shard_sizes),
         "config": self.config.to_dict(),
         "program": {"num_ops": self.num_ops, "hash": self.program_hash},
-        "params": [dataclasses.asdict(p) for p in self.params],
+        "params": [p.to_dict() for p in self.params],
         "buckets": [dataclasses.asdict(b) for b in self.buckets],
         "segments": [dataclasses.asdict(s) for s in self.segments],
         "rolling": list(self.rolling),
@@ -300,7 +302,8 @@ def _parse_param(p, i) -> ir.ParamEntry:
       dtype=_field(p, "dtype", str, where), persistent=_field(p, "persistent", bool, where),
       bucket=_field(p, "bucket", (int, type(None)), where),
       uses=tuple(_int_list(p, "uses", where)), frozen=_field(p, "frozen", bool, where),
-      stacked=_optional(p, "stacked", bool, where, False))
+      stacked=_optional(p, "stacked", bool, where, False),
+      stack=_optional(p, "stack", str, where, ""), layer=_optional(p, "layer", int, where, 0))
 
 
 def _parse_bucket(b, i) -> ir.Bucket:

@@ -146,11 +146,7 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
     checkpoint restore and ahead-of-time compilation); `extra` as a pytree of arrays or
     ShapeDtypeStructs. Needs the params' pytree structure: known for a schedule compiled
     in this process; a schedule loaded from JSON rebuilds nested dicts from the paths."""
-    n = schedule.num_devices
-    shardings = [NamedSharding(mesh, spec) for spec in layout.param_specs(schedule)]
-    leaves = [jax.ShapeDtypeStruct(layout.storage_shape(p, n), p.dtype, sharding=s)
-              for p, s in zip(schedule.params, shardings)]
-    params = _params_tree(schedule, leaves)
+    params = layout.abstract_storage(schedule, mesh)
     with jax.set_mesh(mesh):
       opt_state = jax.eval_shape(masked_opt.init, params)
     replicated = NamedSharding(mesh, P())
@@ -169,19 +165,13 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
 def _opt_state_shardings(opt_shapes, schedule, mesh):
   """Each optimizer leaf that mirrors a parameter (adam's mu, nu) sharded like it; the rest
   (step counts, scalars) replicated."""
-  specs = layout.param_specs(schedule)
+  specs = layout.storage_specs(schedule)
 
   def sharding(path, leaf):
-    index = layout.mirrored_param(jax.tree_util.keystr(path), leaf.shape, schedule)
+    index = layout.mirrored_storage(jax.tree_util.keystr(path), leaf.shape, schedule)
     return NamedSharding(mesh, P() if index is None else specs[index])
 
   return jax.tree_util.tree_map_with_path(sharding, opt_shapes)
-
-
-def _params_tree(schedule, leaves):
-  if schedule.params_treedef is not None:
-    return jax.tree_util.tree_unflatten(schedule.params_treedef, leaves)
-  return layout.tree_from_paths([p.path for p in schedule.params], leaves)
 
 
 def sharded_init(init_fn: Callable, schedule, mesh) -> Callable:
@@ -201,38 +191,57 @@ def sharded_init(init_fn: Callable, schedule, mesh) -> Callable:
     >>> build = zjax.sharded_init(model.init, schedule, mesh)           # doctest: +SKIP
     >>> build.lower(key, x).compile().memory_analysis()                 # doctest: +SKIP
   """
-  specs = layout.param_specs(schedule)
-  shardings = [jax.sharding.NamedSharding(mesh, spec) for spec in specs]
+  shardings = [NamedSharding(mesh, spec) for spec in layout.storage_specs(schedule)]
 
   def build(*args):
+    """-> the storage leaves (schedule.storage order), each built after the previous."""
     closed = jax.make_jaxpr(init_fn)(*args)
     treedef = jax.tree_util.tree_structure(jax.eval_shape(init_fn, *args))
-    layout.matching_leaves(jax.tree_util.tree_unflatten(treedef, closed.out_avals), schedule,
-                           "init_fn(*args)")
+    layout.natural_leaves(jax.tree_util.tree_unflatten(treedef, closed.out_avals), schedule,
+                          "init_fn(*args)")
     program = pe.convert_constvars_jaxpr(closed.jaxpr)
     inputs = list(closed.consts) + jax.tree.leaves(args)
     leaves, previous = [], None
-    for i, entry in enumerate(schedule.params):
-      finish = (lambda x: x) if entry.persistent else (
-          lambda x, entry=entry: _laid_out(x, entry, schedule, mesh))
-      leaves.append(_one_output(program, inputs, i, previous, finish))
+    for leaf, sharding in zip(schedule.storage, shardings):
+      rows = []
+      for i in leaf.members:
+        entry = schedule.params[i]
+        finish = (lambda x: x) if entry.persistent else (
+            lambda x, entry=entry: _laid_out(x, entry, schedule, mesh))
+        rows.append(_one_output(program, inputs, i, previous, finish))
+        previous = rows[-1]
+      leaves.append(_stacked(rows, sharding) if leaf.rolled else rows[0])
       previous = leaves[-1]
-    return jax.tree_util.tree_unflatten(treedef, leaves)
+    return leaves
 
-  compiled_for = {}  # output structure -> jitted build (a second call does not recompile)
+  compiled = []  # the jitted build (a second call does not recompile)
 
   def jitted(*args):
-    treedef = jax.tree_util.tree_structure(jax.eval_shape(init_fn, *args))
-    if treedef not in compiled_for:
-      compiled_for[treedef] = jax.jit(
-          build, out_shardings=jax.tree_util.tree_unflatten(treedef, shardings))
-    return compiled_for[treedef]
+    if not compiled:
+      compiled.append(jax.jit(build, out_shardings=shardings))
+    return compiled[0]
 
   def run(*args):
-    return jitted(*args)(*args)
+    treedef = jax.tree_util.tree_structure(jax.eval_shape(init_fn, *args))
+    leaves = jitted(*args)(*args)
+    stored = {leaf.members[0] for leaf in schedule.storage}
+    heads = iter(leaves)  # the natural structure, None at rolled layers 1..L-1
+    return jax.tree_util.tree_unflatten(treedef, [next(heads) if i in stored else None
+                                                  for i in range(len(schedule.params))])
 
   run.lower = lambda *args: jitted(*args).lower(*args)
   return run
+
+
+def _stacked(rows, sharding):
+  """A rolled stack from its layers' storage rows, written one row at a time into the
+  stack (in place: the stack plus one row alive, not all rows and the stack)."""
+  stack = layout.place(jnp.zeros((len(rows),) + rows[0].shape, rows[0].dtype),
+                       sharding.mesh, sharding.spec)
+  for layer, row in enumerate(rows):  # (Explicit axes: the row sharded as the stack's rows)
+    row = layout.place(row, sharding.mesh, P(*sharding.spec[1:]))
+    stack = lax.dynamic_update_index_in_dim(stack, row, layer, 0)
+  return stack
 
 
 def _laid_out(leaf, entry, schedule, mesh):
@@ -269,14 +278,14 @@ def _one_output(program, inputs, index, previous, finish):
 
 
 def plan_sub_groups(schedule) -> list[list[int]]:
-  """Trained leaves (tree order) in groups of at most `sub_group_size` elements per device;
-  a leaf larger than that is a group of its own."""
+  """Trained storage leaves (tree order) in groups of at most `sub_group_size` elements per
+  device; a leaf larger than that (e.g. a rolled stack) is a group of its own."""
   limit, n = schedule.config.sub_group_size, schedule.num_devices
   groups, current, size = [], [], 0
-  for i, p in enumerate(schedule.params):
-    if not ir.has_gradient(p):
+  for i, leaf in enumerate(schedule.storage):
+    if not ir.has_gradient(leaf.entry):
       continue
-    local = ir.local_elements(p, n)
+    local = ir.local_elements(leaf.entry, n)
     if current and size + local > limit:
       groups.append(current)
       current, size = [], 0

@@ -26,6 +26,7 @@ def validate_schedule(s) -> Simulation:
   _check_params(s)
   _check_buckets(s)
   _check_segments(s)
+  _check_stacks(s)
   return _Simulator(s).run()
 
 
@@ -126,6 +127,72 @@ def _check_layers(b, by_path):
         raise ScheduleError(f"Bucket {b.id} layer {k}: {path} has shape "
                             f"{list(by_path[path].shape)}, but its layer-0 counterpart {first} "
                             f"has {list(by_path[first].shape)}.")
+
+
+def _check_stacks(s):
+  """Rolled stacks: a stack is named by its layer 0, holds layers 0..L-1 (L >= 2) once each,
+  alike in shape, dtype, persistence and frozen flag; a rolled bucket's layers are exactly
+  the stacks of its parameters, and a sharded stacked parameter is in a rolled bucket."""
+  by_path = {p.path: p for p in s.params}
+  rows: dict[str, list] = {}
+  for p in s.params:
+    if p.stack:
+      head = by_path.get(p.stack)
+      if head is None or head.stack != head.path or head.layer != 0:
+        raise ScheduleError(f"Parameter {p.path} says it is stored in the stack of {p.stack}, "
+                            f"which is not a parameter stored as layer 0 of its own stack.")
+      rows.setdefault(p.stack, []).append(p)
+  for path, members in rows.items():
+    head = by_path[path]
+    if sorted(p.layer for p in members) != list(range(len(members))) or len(members) < 2:
+      raise ScheduleError(f"The stack of {path} holds layers {sorted(p.layer for p in members)}; "
+                          f"a stack holds layers 0, 1, ..., L-1 (L >= 2) once each.")
+    for p in members:
+      if (p.shape, p.dtype, p.persistent, p.frozen, p.stacked) != \
+          (head.shape, head.dtype, head.persistent, head.frozen, False):
+        raise ScheduleError(f"Parameter {p.path} (layer {p.layer} of the stack of {path}) is "
+                            f"{p.dtype}{list(p.shape)}, persistent={p.persistent}, frozen="
+                            f"{p.frozen}, stacked={p.stacked}; the layers of a stack are alike "
+                            f"and not stacked themselves ({head.dtype}{list(head.shape)}, "
+                            f"persistent={head.persistent}, frozen={head.frozen}).")
+      if not p.persistent and not (p.bucket is not None and p.bucket < len(s.buckets) and
+                                   s.buckets[p.bucket].layers):
+        raise ScheduleError(f"Parameter {p.path} is stored in a stack but its bucket "
+                            f"{p.bucket} is not a rolled one (with layers).")
+  for path, members in rows.items():
+    _check_stack_in_loop(s, path, sorted(members, key=lambda p: p.layer))
+  for b in s.buckets:
+    for k, layer in enumerate(b.layers):
+      for path, first in zip(layer, b.params):
+        p = by_path[path]
+        if p.stack != first or p.layer != k:
+          raise ScheduleError(f"Bucket {b.id} lists {path} as layer {k} of {first}, but the "
+                              f"parameter says it is layer {p.layer} of the stack of "
+                              f"{p.stack or '(none: stored on its own)'}.")
+    for first in b.params if b.layers else ():
+      if len(rows.get(first, ())) != len(b.layers):
+        raise ScheduleError(f"Bucket {b.id} rolls {len(b.layers)} layers, but the stack of "
+                            f"{first} holds {len(rows.get(first, ()))}.")
+
+
+def _check_stack_in_loop(s, path, members):
+  """Layer l of a stack is read only by layer l of one rolled loop segment of L layers."""
+  loops = {st.segment: st.length for st in s.forward if st.op == ir.LOOP_OP}
+  first = next((p.uses[0] for p in members if p.uses), None)
+  k = next((seg.id for seg in s.segments if first is not None and
+            seg.start <= first < seg.end), None)
+  if k is None or loops.get(k) != len(members):
+    raise ScheduleError(f"The stack of {path} holds {len(members)} layers, but its uses are "
+                        f"not in a loop segment of {len(members)} layers (segment {k}, "
+                        f"{loops.get(k, 'no loop')}).")
+  seg = s.segments[k]
+  block = (seg.end - seg.start) // len(members)
+  for p in members:
+    lo = seg.start + p.layer * block
+    if any(not lo <= op < lo + block for op in p.uses):
+      raise ScheduleError(f"Parameter {p.path} is layer {p.layer} of the stack of {path}, but "
+                          f"is used at ops {list(p.uses)}, outside that layer's ops "
+                          f"[{lo}, {lo + block}) of segment {k}.")
 
 
 def loop_length(s, b) -> int:
