@@ -46,6 +46,13 @@ def test_accepts_deepspeed_style_floats():
     ("reduce_dtype", jnp.int8, "floating dtype"),
     ("axis_name", "", "non-empty string"),
     ("axis_name", 3, "non-empty string"),
+    ("gather_quantization", "int4", "one of ['int8']"),
+    ("reduce_quantization", "fp8", "one of ['int8', 'int4']"),
+    ("quantization_block", 0, "positive number of values per scale"),
+    ("quantization_block", -8, "positive number of values per scale"),
+    ("quantization_block", 2.5, "positive number of values per scale"),
+    ("gather_quantization_phases", ("fwd",), "'forward' and/or 'backward'"),
+    ("gather_quantization_phases", (), "'forward' and/or 'backward'"),
 ])
 def test_invalid_values_name_field_and_rule(field, value, rule):
   with pytest.raises(ValueError) as e:
@@ -67,3 +74,13 @@ def test_dict_round_trip_and_unknown_field():
   assert zjax.ZeroConfig.from_dict(data) == cfg
   with pytest.raises(ValueError, match="prefetch_bucket_sizes"):
     zjax.ZeroConfig.from_dict({"prefetch_bucket_sizes": 1})
+
+
+def test_quantization_knobs():
+  cfg = zjax.ZeroConfig(gather_quantization="int8", gather_quantization_phases="backward",
+                        reduce_quantization="int4", quantization_block=64)
+  assert cfg.gather_quantization_phases == ("backward",)
+  assert zjax.ZeroConfig.from_dict(cfg.to_dict()) == cfg
+  with pytest.raises(ValueError, match="under hpZ .* both phases or neither"):
+    zjax.ZeroConfig(replicate_axes=("r",), secondary_partition=True,
+                    gather_quantization="int8", gather_quantization_phases=("forward",))

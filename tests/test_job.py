@@ -74,12 +74,17 @@ def test_train_end_to_end_then_resume_on_other_devices_scanned(tmp_path):
   assert "exported" in printed and "next byte" in printed
 
 
-def test_train_unrolled_in_bf16(tmp_path):
+def test_train_unrolled_in_bf16_with_quantized_communication(tmp_path):
   done = zjax_cli("train", *TINY, "--steps", "3", "--devices", "8", "--precision", "bf16",
+                  "--gather-quantization", "int8", "--reduce-quantization", "int4",
                   "--out-dir", str(tmp_path / "run"))
   assert done.returncode == 0, done.stderr[-3000:]
   metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
   assert metrics["settings"]["precision"] == "bf16" and len(metrics["train"]) == 3
+  assert metrics["settings"]["reduce_quantization"] == "int4"
+  summary = metrics["summary"]
+  assert summary["all_to_all_bytes"] > 0 and summary["reduce_scatter_bytes"] == 0
+  assert "all-gather (qwZ int8)" in done.stdout and "all-to-all (qgZ)" in done.stdout
 
 
 def test_resume_with_another_model_fails_clearly(tmp_path):
@@ -97,6 +102,8 @@ def test_resume_with_another_model_fails_clearly(tmp_path):
     (["--batch", "12", "--devices", "8"], "not divisible by devices 8"),
     (["--out-dir", "/proc/zjax-cannot-write-here"], "cannot be created or written"),
     (["--precision", "fp8"], "invalid choice: 'fp8'"),
+    (["--reduce-quantization", "int2"], "invalid choice: 'int2'"),
+    (["--quantization-block", "0"], "quantization_block must be a positive integer"),
 ])
 def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, args, message):
   done = zjax_cli("train", *args, cwd=tmp_path)
@@ -106,11 +113,15 @@ def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, args, message):
   assert list(tmp_path.iterdir()) == []  # nothing written
 
 
-def test_config_file_with_an_unknown_key(tmp_path):
+@pytest.mark.parametrize("text, message", [
+    ('steps = 5\nlearning_rate = 0.1\n', "unknown setting(s) ['learning_rate']"),
+    ('gather_quantization = "int4"\n', "gather_quantization must be one of ['none', 'int8']"),
+])
+def test_config_file_with_an_unknown_key_or_value(tmp_path, text, message):
   config = tmp_path / "run.toml"
-  config.write_text('steps = 5\nlearning_rate = 0.1\n')
+  config.write_text(text)
   done = zjax_cli("train", "--config", str(config), cwd=tmp_path)
-  assert done.returncode == 2 and "unknown setting(s) ['learning_rate']" in done.stderr
+  assert done.returncode == 2 and message in done.stderr
   assert sorted(p.name for p in tmp_path.iterdir()) == ["run.toml"]
 
 

@@ -1,6 +1,7 @@
 """Schedule as data: JSON round trip, files, fingerprints, and rejection of illegal edits."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -255,3 +256,30 @@ def test_files_from_before_gradient_reduction_and_platform_still_load():
   old = zjax.Schedule.from_json(edited(new, old_format))
   assert old.config.gradient_reduction == "per_gather" and old.platform == ""
   assert old.report()["reduce_scatter_count"] == 3
+
+
+def test_quantized_steps_in_the_file_follow_the_config():
+  """qwZ / qgZ steps name their format in the file and the table; an edited format is
+  refused (the config decides it, as it decides a step's axes)."""
+  config = zjax.ZeroConfig(param_persistence_threshold=D, gather_quantization="int8",
+                           reduce_quantization="int4", quantization_block=128)
+  quantized = zjax.compile_schedule(*model(), num_devices=8, config=config)
+  data = json.loads(quantized.to_json())
+  flat = lambda steps: [b for st in steps for b in st.get("body", [st])]  # noqa: E731
+  gather = next(st for st in flat(data["forward"]) if st["op"] == "gather")
+  assert gather["quantized"] == {"dtype": "int8", "block": 128, "scale_dtype": "float32",
+                                 "rounding": "nearest", "collective": "all_gather"}
+  reduce = next(st for st in flat(data["backward"]) if st["op"] == "reduce_scatter")
+  assert reduce["quantized"]["rounding"] == "stochastic"
+  assert reduce["quantized"]["collective"] == "all_to_all"
+  assert zjax.Schedule.from_json(quantized.to_json()) == quantized
+  table = str(quantized)
+  assert re.search(r"gather[^\n]* int8", table) and "reduce (all-to-all) int4" in table
+
+  def edit(data):
+    next(st for st in flat(data["forward"]) if st["op"] == "gather")["quantized"]["block"] = 64
+  with pytest.raises(zjax.ScheduleError, match="is quantized as .* under this config"):
+    zjax.Schedule.from_json(edited(quantized, edit))
+  report = quantized.report()
+  assert report["all_to_all_count"] == 3 and report["reduce_scatter_count"] == 0  # 3 layers
+  assert report["quantization"]["reduce"]["dtype"] == "int4"

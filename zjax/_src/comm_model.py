@@ -8,6 +8,7 @@ alpha). With B the collective's full-buffer bytes (the all-gather's output, the
 reduce-scatter's input, the all-reduce's operand; as in `Schedule.report()`):
 
     all-gather, reduce-scatter:  (G - 1) * (alpha + B / (G * beta))
+    all-to-all (qgZ):            (G - 1) * (alpha + B / (G * beta))  (pairwise exchange)
     all-reduce:              2 * (G - 1) * (alpha + B / (G * beta))
 
 and a step's communication time is the sum over its collectives (no overlap with compute

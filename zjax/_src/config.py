@@ -17,6 +17,9 @@ _ELEMENT_KNOBS = {
 }
 _POSITIVE_KNOBS = ("max_live_parameters", "sub_group_size")
 GRADIENT_REDUCTIONS = ("once", "per_gather")
+GATHER_QUANTIZATIONS = ("int8",)
+REDUCE_QUANTIZATIONS = ("int8", "int4")
+PHASES = ("forward", "backward")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, init=False)
@@ -71,6 +74,20 @@ class ZeroConfig:
       compute and reduce-scatters per iteration, so compile time and gathered-weight
       memory stop growing with depth. Parameters keep their per-layer leaves and paths.
       The schedule's ``rolling`` notes say what was rolled and why other repeats were not.
+    gather_quantization: ZeRO++ qwZ (DeepSpeed ``zero_quantized_weights``): None, or
+      "int8": each device quantizes its chunk of a floating-point bucket block-wise
+      (symmetric, round-to-nearest, one float32 scale per ``quantization_block`` values),
+      the int8 values and scales are all-gathered and dequantized to the compute dtype.
+      The stored shards (the masters) are untouched.
+    gather_quantization_phases: which gathers are quantized: ("forward", "backward")
+      (default), ("forward",) or ("backward",). Under hpZ backward re-gathers move the
+      forward gather's secondary, so both or neither.
+    reduce_quantization: ZeRO++ qgZ (DeepSpeed ``zero_quantized_gradients``): None, "int8"
+      or "int4" (two per byte): each device quantizes the chunk of a bucket's gradient
+      destined for each device block-wise (stochastic rounding: zero-mean error), one
+      all-to-all exchanges them, and the receiver dequantizes, sums in float32 and divides
+      by N. Persistent parameters' gradients are all-reduced unquantized.
+    quantization_block: values per scale for both (default 256).
 
   Example:
     >>> cfg = ZeroConfig(prefetch_bucket_size=0, param_persistence_threshold=1e4)
@@ -91,6 +108,10 @@ class ZeroConfig:
   gradient_reduction: str = "once"
   fold_rng_keys: bool = True
   roll_layers: bool = True
+  gather_quantization: str | None = None
+  gather_quantization_phases: tuple[str, ...] = PHASES
+  reduce_quantization: str | None = None
+  quantization_block: int = 256
 
   def __init__(self, *, axis_name: Any = None, **values):
     # axis_name is an alias, not a field: dataclasses.replace(cfg, shard_axes=...) then
@@ -135,6 +156,32 @@ class ZeroConfig:
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"ZeroConfig.{name} must be True or False, got "
                          f"{getattr(self, name)!r}.")
+    self._check_quantization()
+
+  def _check_quantization(self):
+    for name, known in (("gather_quantization", GATHER_QUANTIZATIONS),
+                        ("reduce_quantization", REDUCE_QUANTIZATIONS)):
+      value = getattr(self, name)
+      if value is not None and value not in known:
+        raise ValueError(f"ZeroConfig.{name} must be None or one of {list(known)}, got "
+                         f"{value!r}.")
+    block = self.quantization_block
+    if isinstance(block, bool) or not isinstance(block, numbers.Integral) or block < 1:
+      raise ValueError(f"ZeroConfig.quantization_block must be a positive number of values "
+                       f"per scale, got {block!r}.")
+    object.__setattr__(self, "quantization_block", int(block))
+    phases = self.gather_quantization_phases
+    phases = (phases,) if isinstance(phases, str) else phases
+    if not isinstance(phases, (tuple, list)) or not phases or \
+        any(p not in PHASES for p in phases) or len(set(phases)) != len(phases):
+      raise ValueError(f"ZeroConfig.gather_quantization_phases must name 'forward' and/or "
+                       f"'backward' (each once), got {self.gather_quantization_phases!r}.")
+    phases = tuple(p for p in PHASES if p in phases)
+    object.__setattr__(self, "gather_quantization_phases", phases)
+    if self.secondary_partition and self.gather_quantization and phases != PHASES:
+      raise ValueError(f"ZeroConfig.gather_quantization_phases is {list(phases)}, but under "
+                       f"hpZ (secondary_partition) backward re-gathers move the forward "
+                       f"gather's secondary shard: quantize both phases or neither.")
 
   def to_dict(self) -> dict:
     """JSON-serialisable form (dtype as its name)."""
@@ -143,6 +190,7 @@ class ZeroConfig:
       out[name] = None if out[name] is None else out[name].name
     out["replicate_axes"] = list(self.replicate_axes)
     out["shard_axes"] = list(self.shard_axes)
+    out["gather_quantization_phases"] = list(self.gather_quantization_phases)
     return out
 
   @property

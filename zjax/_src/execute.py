@@ -183,6 +183,14 @@ class _DeviceProgram:
   def gather_axes(self, phase: str):
     return tuple(ir.collective_axes("gather", phase, self.s.config)["axes"])
 
+  def gather_quantization(self, b, phase: str):
+    """qwZ of bucket b's gathers in `phase` (hpZ: backward moves the forward's secondary,
+    and the config quantizes both phases or neither)."""
+    return ir.gather_quantization(self.s.buckets[b], phase, self.s.config)
+
+  def reduce_quantization(self, b):
+    return ir.reduce_quantization(self.s.buckets[b], self.s.config)
+
   def run(self, shard_leaves, batch, extra):
     """-> ((mean loss, new extra averaged over devices), local gradient shards)."""
     if self.s.config.fold_rng_keys:  # device d draws from fold_in(key, d), on any N
@@ -270,10 +278,12 @@ class _State:
     else:
       if self.anchor is not None:
         chunks, _ = lax.optimization_barrier((chunks, self.anchor))
-      wire, _ = collectives.gather_wire(chunks, self.dp.gather_axes(phase))
+      wire, _ = collectives.gather_wire(chunks, self.dp.gather_axes(phase),
+                                        self.dp.gather_quantization(b, phase))
       if self.dp.secondary_partition:
         self.wires[b] = wire
-    values = collectives.unpack_wire(wire, chunks, entries, self.dp.n)
+    values = collectives.unpack_wire(wire, chunks, entries, self.dp.n,
+                                     self.dp.gather_quantization(b, phase))
     self.gathered.update(zip(members, values))
 
   def keep_secondary(self, b):
@@ -296,7 +306,7 @@ class _State:
              g.astype(self.dp.reduce_dtype(i)) for i, g, e in zip(members, grads, entries)]
     chunks = collectives.reduce_scatter_bucket(grads, entries, self.dp.n, self.dp.storage_axes,
                                                self.dp.wire_dtype(members[0]),
-                                               self.dp.mean_over)
+                                               self.dp.mean_over, self.dp.reduce_quantization(b))
     for i, chunk in zip(members, chunks):
       self.add_shard_grad(self.dp.storage_of[i], chunk)
 

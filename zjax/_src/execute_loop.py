@@ -26,7 +26,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 from jax import lax
 
-from zjax._src import collectives, ir, layout, loops
+from zjax._src import collectives, ir, layout, loops, quantize
 from zjax._src import segments as seg_lib
 
 
@@ -125,13 +125,15 @@ class Loop:
       members = self.dp.members[b]
       entries = [layout.layer_entry(self.dp.s.params[i]) for i in members]
       chunks = [shard_rows[i] for i in members]
+      quantization = self.dp.gather_quantization(b, phase)
       if from_secondary:
         wire = collectives.gather_from_secondary(secondary[b], self.dp.shard_axes)
       else:
-        wire, _ = collectives.gather_wire(chunks, self.dp.gather_axes(phase))
+        wire, _ = collectives.gather_wire(chunks, self.dp.gather_axes(phase), quantization)
         if b in self.secondary:
           kept[b] = collectives.secondary_rows(wire, self.dp.s.replicas, self.dp.shard_axes)
-      layers.update(zip(members, collectives.unpack_wire(wire, chunks, entries, self.dp.n)))
+      layers.update(zip(members, collectives.unpack_wire(wire, chunks, entries, self.dp.n,
+                                                         quantization)))
     return layers, kept
 
   def secondary_stacks(self, shards: dict) -> dict:
@@ -139,7 +141,9 @@ class Loop:
     out = {}
     for b in self.secondary:
       rows = [shards[i][0] for i in self.dp.members[b]]
-      wire = jax.eval_shape(lambda r: layout.to_wire(jnp.concatenate(r)), rows)
+      quantization = self.dp.gather_quantization(b, "forward")
+      wire = jax.eval_shape(lambda r: layout.to_wire(jnp.concatenate(r)) if quantization is None
+                            else quantize.pack(jnp.concatenate(r), quantization), rows)
       out[b] = jnp.zeros((self.length, self.dp.s.replicas, wire.shape[0]), wire.dtype)
     return out
 
@@ -154,7 +158,7 @@ class Loop:
       grads = [layer_grads[i].astype(self.dp.reduce_dtype(i)) for i in members]
       out.update(zip(members, collectives.reduce_scatter_bucket(
           grads, entries, self.dp.n, self.dp.storage_axes, self.dp.wire_dtype(members[0]),
-          self.dp.mean_over)))
+          self.dp.mean_over, self.dp.reduce_quantization(b))))
     return out
 
   # ---- forward ---------------------------------------------------------------------------

@@ -39,6 +39,8 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from zjax._src.quantize import Quantization
+
 FORMAT_NAME = "zjax-schedule"
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # version 1: no loops, no stacked parameters
@@ -171,12 +173,14 @@ class Step:
       out["prefetch"] = self.prefetch
     return out
 
-  def to_dict_with_axes(self, phase: str, config) -> dict:
-    """to_dict plus the mesh axes of its collective (what the JSON and the table show)."""
+  def to_dict_with_axes(self, phase: str, config, buckets) -> dict:
+    """to_dict plus the mesh axes of its collective and its quantization (what the JSON
+    and the table show)."""
     if self.op == LOOP_OP:
-      return {**self.to_dict(), "body": [st.to_dict_with_axes(phase, config)
+      return {**self.to_dict(), "body": [st.to_dict_with_axes(phase, config, buckets)
                                          for st in self.body]}
-    return {**self.to_dict(), **collective_axes(self.op, phase, config)}
+    return {**self.to_dict(), **collective_axes(self.op, phase, config),
+            **step_quantization(self, phase, buckets, config)}
 
 
 def collective_axes(op: str, phase: str, config) -> dict:
@@ -256,6 +260,56 @@ def reduce_wire_dtype(dtype, config, platform: str) -> np.dtype:
   if platform in WIDENING_PLATFORMS and is_float(dtype) and dtype.itemsize < 4:
     return jnp.dtype(jnp.float32)
   return dtype
+
+
+def gather_quantization(bucket, phase: str, config):
+  """How a gather of `bucket` in `phase` is quantized (ZeRO++ qwZ), or None: floating-point
+  buckets, in the phases the config names."""
+  if config.gather_quantization is None or not is_float(bucket.dtype) or \
+      phase not in config.gather_quantization_phases:
+    return None
+  return Quantization(config.gather_quantization, config.quantization_block)
+
+
+def reduce_quantization(bucket, config):
+  """How `bucket`'s gradient reduction is quantized (ZeRO++ qgZ: an all-to-all of the
+  quantized chunks, stochastic rounding), or None."""
+  if config.reduce_quantization is None or not has_gradient(bucket):
+    return None
+  return Quantization(config.reduce_quantization, config.quantization_block, stochastic=True)
+
+
+def gather_wire_bytes(bucket, elements: int, phase: str, s) -> int:
+  """Bytes of the gathered wire buffer of one gather of `bucket` (`elements` padded
+  elements in all) in `phase` under schedule `s`'s config."""
+  q = gather_quantization(bucket, phase, s.config)
+  if q is not None:
+    return s.num_devices * q.wire_bytes(elements // s.num_devices)
+  return gathered_bytes(elements, s.num_devices, gather_dtype(bucket.dtype, s.config.compute_dtype))
+
+
+def reduce_wire_bytes(bucket, elements: int, s) -> int:
+  """Bytes of the full buffer one gradient reduction of `bucket` moves: the reduce-scatter's
+  input, or under qgZ the all-to-all's N quantized chunks."""
+  q = reduce_quantization(bucket, s.config)
+  if q is not None:
+    return s.num_devices * q.wire_bytes(elements // s.num_devices)
+  return elements * reduce_wire_dtype(bucket.dtype, s.config, s.platform).itemsize
+
+
+def step_quantization(step, phase: str, buckets, config) -> dict:
+  """{"quantized": {...}} for a quantized gather or reduction step (what the JSON and the
+  table show), {} otherwise."""
+  if step.op == "gather":
+    q = gather_quantization(buckets[step.bucket], phase, config)
+  elif step.op == "reduce_scatter":
+    q = reduce_quantization(buckets[step.bucket], config)
+  else:
+    return {}
+  if q is None:
+    return {}
+  collective = "all_gather" if step.op == "gather" else "all_to_all"
+  return {"quantized": {**q.describe(), "collective": collective}}
 
 
 def gathered_bytes(elements: int, num_devices: int, dtype) -> int:

@@ -76,11 +76,19 @@ def _step_row(s, sim, phase, i, step, live_after):
             format_bytes(live_after) if live_after is not None else "")
   bucket = s.buckets[step.bucket]
   names = ",".join(leaf_name(p) for p in bucket.params)
+  long_phase = "backward" if phase == "bwd" else "forward"
   op, size = step.op, sim.bucket_bytes[step.bucket]
+  quantized = ir.step_quantization(step, long_phase, s.buckets, s.config).get("quantized")
   if step.op == "gather":
     op = ("re-gather" if phase == "bwd" else "gather") + (" (prefetch)" if step.prefetch else "")
-  elif step.op in ("keep_secondary", "drop_secondary"):  # hpZ: 1/S of the gathered bucket
-    op, size = op.replace("_", " "), size // s.shards
+    size = sim.wire_bytes(step, long_phase)
+  elif step.op == "reduce_scatter":
+    size = sim.wire_bytes(step, long_phase)
+    op = "reduce (all-to-all)" if quantized else op
+  elif step.op in ("keep_secondary", "drop_secondary"):  # hpZ: 1/S of the gathered wire
+    op, size = op.replace("_", " "), sim.gather_wire_bytes[step.bucket][0] // s.shards
+  if quantized:
+    op += f" {quantized['dtype']}"
   layers = f", layer i of {len(bucket.layers)}" if bucket.layers else ""
   return (str(i), phase, op, _axes_cell(s, step, phase), str(step.bucket),
           f"{bucket.module or '<root>'} [{names}]{layers}", format_bytes(size),

@@ -9,17 +9,20 @@ def make_report(s, sim) -> dict:
   """JSON-serialisable predictions for schedule `s` with simulation `sim`.
 
   Bytes of a collective are those of its full (gathered / pre-reduction) buffer, padding
-  included. A collective inside a loop counts once per iteration; `loops` lists each loop's
+  included; quantized ones (qwZ, qgZ) count their int8 values and float32 scales. A
+  collective inside a loop counts once per iteration; `loops` lists each loop's
   per-iteration collectives (what the compiled program's while body holds).
   """
-  bucket_bytes, grad_bytes = list(sim.bucket_bytes), list(sim.bucket_grad_bytes)
-  forward, backward = executed_steps(s.forward), executed_steps(s.backward)
-  gathers = [st for st in forward + backward if st.op == "gather"]
-  scatters = [st for st in backward if st.op == "reduce_scatter"]
+  steps = [(phase, st) for phase, phase_steps in (("forward", s.forward),
+                                                  ("backward", s.backward))
+           for st in executed_steps(phase_steps)]
+  gathers = [(phase, st) for phase, st in steps if st.op == "gather"]
+  reductions = [st for _, st in steps if st.op == "reduce_scatter"]
+  scatters = [st for st in reductions if not _quantized(st, "backward", s)]
+  exchanges = [st for st in reductions if _quantized(st, "backward", s)]
   persistent = [p for p in s.params if p.persistent]
-  scatter_bytes = sum(grad_bytes[st.bucket] for st in scatters)
-  replica_bytes = scatter_bytes // s.num_devices if s.config.averaged_axes else 0
-  persistent_bytes = persistent_grad_bytes(s)
+  replica_bytes = sum(sim.bucket_grad_bytes[st.bucket] // s.num_devices
+                      for st in reductions) if s.config.averaged_axes else 0
   collectives = executed_collectives(s, sim)
   return {
       "num_devices": s.num_devices,
@@ -30,31 +33,74 @@ def make_report(s, sim) -> dict:
       "num_segments": len(s.segments),
       "param_elements": sum(p.size for p in s.params),
       "all_gather_count": len(gathers),
-      "all_gather_bytes": sum(bucket_bytes[st.bucket] for st in gathers),
-      "forward_all_gather_count": sum(st.op == "gather" for st in forward),
-      "backward_all_gather_count": sum(st.op == "gather" for st in backward),
-      "prefetch_count": sum(st.prefetch for st in gathers),
+      "all_gather_bytes": sum(sim.wire_bytes(st, phase) for phase, st in gathers),
+      "forward_all_gather_count": sum(phase == "forward" for phase, _ in gathers),
+      "backward_all_gather_count": sum(phase == "backward" for phase, _ in gathers),
+      "prefetch_count": sum(st.prefetch for _, st in gathers),
       "reduce_scatter_count": len(scatters),
-      "reduce_scatter_bytes": scatter_bytes,
+      "reduce_scatter_bytes": sum(sim.wire_bytes(st, "backward") for st in scatters),
+      # qgZ: each quantized gradient reduction is one all-to-all of the N quantized chunks
+      "all_to_all_count": len(exchanges),
+      "all_to_all_bytes": sum(sim.wire_bytes(st, "backward") for st in exchanges),
       "replicas": s.replicas,
       "axis_sizes": s.axis_sizes,
-      # HSDP: each reduce-scattered gradient shard (1/N of the bucket) is then all-reduced
-      # over the replicate axes (XLA may combine those all-reduces: bytes, not count, are
-      # what to compare)
+      # HSDP: each reduced gradient shard (1/N of the bucket) is then all-reduced over the
+      # replicate axes (XLA may combine those all-reduces: bytes, not count, are what to
+      # compare)
       "replica_all_reduce_bytes": replica_bytes,
-      "persistent_grad_all_reduce_bytes": persistent_bytes,
+      "persistent_grad_all_reduce_bytes": persistent_grad_bytes(s),
       # the same bytes by the mesh axes each collective spans ("replica+fsdp": both); the
       # loss's scalar all-reduce over every data axis is not counted
       **{f"{kind}_bytes_by_axis": _by_axis(collectives, kind)
-         for kind in ("all_gather", "reduce_scatter", "all_reduce")},
+         for kind in ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")},
       "secondary_bytes": sim.peak_secondary_bytes,
       "peak_live_param_bytes": max(sim.forward_live + sim.backward_live, default=0),
       "peak_live_grad_bytes": max(sim.backward_grad_live, default=0),
       "state_bytes_per_device": state_bytes_per_device(s),
-      "loops": [_loop_report(phase, st, bucket_bytes, grad_bytes)
-                for phase, steps in (("forward", s.forward), ("backward", s.backward))
-                for st in steps if st.op == ir.LOOP_OP],
+      "quantization": quantization_report(s, sim, gathers, reductions),
+      "loops": [_loop_report(phase, st, sim, s)
+                for phase, phase_steps in (("forward", s.forward), ("backward", s.backward))
+                for st in phase_steps if st.op == ir.LOOP_OP],
   }
+
+
+def _quantized(step, phase, s) -> bool:
+  return bool(ir.step_quantization(step, phase, s.buckets, s.config))
+
+
+def quantization_report(s, sim, gathers, reductions) -> dict:
+  """What qwZ / qgZ do to the step's collectives: their formats and the bytes of the
+  quantized ones (values and scales apart) against the same collectives unquantized;
+  `bytes_vs_unquantized`: all gathers and reductions. {} when neither is on."""
+  elements, config = s.bucket_elements(), s.config
+
+  def plain(st):  # the collective's bytes without quantization
+    if st.op == "reduce_scatter":
+      return sim.bucket_grad_bytes[st.bucket]
+    dtype = ir.gather_dtype(s.buckets[st.bucket].dtype, config.compute_dtype)
+    return ir.gathered_bytes(elements[st.bucket], s.num_devices, dtype)
+
+  out, moved, unquantized = {}, 0, 0
+  for phase, st in list(gathers) + [("backward", st) for st in reductions]:
+    bucket = s.buckets[st.bucket]
+    moved, unquantized = moved + sim.wire_bytes(st, phase), unquantized + plain(st)
+    q = (ir.gather_quantization(bucket, phase, config) if st.op == "gather" else
+         ir.reduce_quantization(bucket, config))
+    if q is None:
+      continue
+    local = elements[st.bucket] // s.num_devices
+    entry = out.setdefault("gather" if st.op == "gather" else "reduce", {
+        **q.describe(), "steps": 0, "value_bytes": 0, "scale_bytes": 0,
+        "unquantized_bytes": 0})
+    entry["steps"] += 1
+    entry["value_bytes"] += s.num_devices * q.value_bytes(local)
+    entry["scale_bytes"] += s.num_devices * q.scale_bytes(local)
+    entry["unquantized_bytes"] += plain(st)
+  if "gather" in out:
+    out["gather"]["phases"] = list(config.gather_quantization_phases)
+  if out:
+    out["bytes_vs_unquantized"] = moved / max(unquantized, 1)
+  return out
 
 
 def persistent_grad_bytes(s) -> int:
@@ -65,9 +111,9 @@ def persistent_grad_bytes(s) -> int:
 
 def executed_collectives(s, sim) -> list[tuple[str, tuple[str, ...], int]]:
   """(kind, mesh axes, full-buffer bytes) of every collective one step executes, loops
-  unrolled: gathers, reduce-scatters, HSDP's replica all-reduce of each reduce-scattered
-  shard, and the persistent gradients' all-reduce (when there is more than one device).
-  The loss's scalar all-reduce is left out."""
+  unrolled: gathers, gradient reductions (reduce-scatters, or qgZ's all-to-alls), HSDP's
+  replica all-reduce of each reduced shard, and the persistent gradients' all-reduce (when
+  there is more than one device). The loss's scalar all-reduce is left out."""
   out = []
   for phase, steps in (("forward", s.forward), ("backward", s.backward)):
     for st in executed_steps(steps):
@@ -75,12 +121,13 @@ def executed_collectives(s, sim) -> list[tuple[str, tuple[str, ...], int]]:
         continue
       axes = ir.collective_axes(st.op, phase, s.config)
       if st.op == "gather":
-        out.append(("all_gather", tuple(axes["axes"]), sim.bucket_bytes[st.bucket]))
+        out.append(("all_gather", tuple(axes["axes"]), sim.wire_bytes(st, phase)))
         continue
-      size = sim.bucket_grad_bytes[st.bucket]
-      out.append(("reduce_scatter", tuple(axes["axes"]), size))
+      kind = "all_to_all" if _quantized(st, phase, s) else "reduce_scatter"
+      out.append((kind, tuple(axes["axes"]), sim.wire_bytes(st, phase)))
       if "mean_over" in axes:
-        out.append(("all_reduce", tuple(axes["mean_over"]), size // s.num_devices))
+        out.append(("all_reduce", tuple(axes["mean_over"]),
+                    sim.bucket_grad_bytes[st.bucket] // s.num_devices))
   persistent = persistent_grad_bytes(s)
   if persistent and s.data_parallel_size > 1:
     out.append(("all_reduce", s.config.data_axes, persistent))
@@ -104,15 +151,21 @@ def executed_steps(steps) -> list:
   return out
 
 
-def _loop_report(phase, step, bucket_bytes, grad_bytes) -> dict:
-  gathers = [st.bucket for st in step.body if st.op == "gather"]
-  scatters = [st.bucket for st in step.body if st.op == "reduce_scatter"]
+def _loop_report(phase, step, sim, s) -> dict:
+  gathers = [st for st in step.body if st.op == "gather"]
+  reductions = [st for st in step.body if st.op == "reduce_scatter"]
+  exchanges = [st for st in reductions if _quantized(st, phase, s)]
+  scatters = [st for st in reductions if st not in exchanges]
   return {"phase": phase, "segment": step.segment, "length": step.length,
           "prefetch": any(st.prefetch for st in step.body),
           "all_gather_count_per_iteration": len(gathers),
-          "all_gather_bytes_per_iteration": sum(bucket_bytes[b] for b in gathers),
+          "all_gather_bytes_per_iteration": sum(sim.wire_bytes(st, phase) for st in gathers),
           "reduce_scatter_count_per_iteration": len(scatters),
-          "reduce_scatter_bytes_per_iteration": sum(grad_bytes[b] for b in scatters)}
+          "reduce_scatter_bytes_per_iteration": sum(sim.wire_bytes(st, phase)
+                                                    for st in scatters),
+          "all_to_all_count_per_iteration": len(exchanges),
+          "all_to_all_bytes_per_iteration": sum(sim.wire_bytes(st, phase)
+                                                for st in exchanges)}
 
 
 def state_bytes_per_device(s) -> int:

@@ -137,8 +137,10 @@ class Schedule:
         "buckets": [dataclasses.asdict(b) for b in self.buckets],
         "segments": [dataclasses.asdict(s) for s in self.segments],
         "rolling": list(self.rolling),
-        "forward": [s.to_dict_with_axes("forward", self.config) for s in self.forward],
-        "backward": [s.to_dict_with_axes("backward", self.config) for s in self.backward],
+        "forward": [s.to_dict_with_axes("forward", self.config, self.buckets)
+                    for s in self.forward],
+        "backward": [s.to_dict_with_axes("backward", self.config, self.buckets)
+                     for s in self.backward],
     }
 
   def to_json(self) -> str:
@@ -272,6 +274,7 @@ def _parse(data) -> dict:
     config = ZeroConfig.from_dict(config)
   except ValueError as e:
     raise ScheduleError(f"'config': {e}") from None
+  buckets = tuple(_parse_bucket(b, i) for i, b in enumerate(_items(data, "buckets")))
   return dict(
       fingerprint=_field(data, "fingerprint", str, "top level"),
       num_devices=_field(data, "num_devices", int, "top level"),
@@ -284,12 +287,12 @@ def _parse(data) -> dict:
       num_ops=_field(program, "num_ops", int, "'program'"),
       program_hash=_field(program, "hash", str, "'program'"),
       params=tuple(_parse_param(p, i) for i, p in enumerate(_items(data, "params"))),
-      buckets=tuple(_parse_bucket(b, i) for i, b in enumerate(_items(data, "buckets"))),
+      buckets=buckets,
       segments=tuple(_parse_segment(s, i) for i, s in enumerate(_items(data, "segments"))),
       rolling=tuple(_string_list(data, "rolling", "top level") if "rolling" in data else ()),
-      forward=tuple(_parse_step(s, i, "forward", config)
+      forward=tuple(_parse_step(s, i, "forward", config, buckets)
                     for i, s in enumerate(_items(data, "forward"))),
-      backward=tuple(_parse_step(s, i, "backward", config)
+      backward=tuple(_parse_step(s, i, "backward", config, buckets)
                      for i, s in enumerate(_items(data, "backward"))),
   )
 
@@ -331,7 +334,7 @@ def _parse_segment(s, i) -> ir.Segment:
                     label=_field(s, "label", str, where))
 
 
-def _parse_step(s, i, phase, config, in_loop=False) -> ir.Step:
+def _parse_step(s, i, phase, config, buckets, in_loop=False) -> ir.Step:
   where = f"{phase} step {i}"
   _expect(isinstance(s, dict), f"{where} must be an object")
   op = _field(s, "op", str, where)
@@ -339,8 +342,8 @@ def _parse_step(s, i, phase, config, in_loop=False) -> ir.Step:
     body = _field(s, "body", list, where)
     return ir.Step(ir.LOOP_OP, segment=_field(s, "segment", int, where),
                    length=_field(s, "length", int, where),
-                   body=tuple(_parse_step(b, j, f"{phase} step {i} body", config, True)
-                              for j, b in enumerate(body)))
+                   body=tuple(_parse_step(b, j, f"{phase} step {i} body", config, buckets,
+                                          True) for j, b in enumerate(body)))
   # the axes a collective spans follow from the config; a file that says otherwise was
   # edited (or made for another mesh layout)
   for key, expected in ir.collective_axes(op, phase.split()[0], config).items():
@@ -352,7 +355,21 @@ def _parse_step(s, i, phase, config, in_loop=False) -> ir.Step:
   if op == "compute":
     return ir.Step("compute", segment=_field(s, "segment", int, where))
   prefetch = _field(s, "prefetch", bool, where) if op == "gather" else False
-  return ir.Step(op, bucket=_field(s, "bucket", int, where), prefetch=prefetch)
+  step = ir.Step(op, bucket=_field(s, "bucket", int, where), prefetch=prefetch)
+  _check_quantized(s, step, phase.split()[0], config, buckets, where)
+  return step
+
+
+def _check_quantized(s, step, phase, config, buckets, where):
+  """A step's quantization follows from the config and its bucket, like its axes."""
+  if not 0 <= step.bucket < len(buckets):
+    return  # the validator names the bad bucket
+  expected = ir.step_quantization(step, phase, buckets, config).get("quantized")
+  found = s.get("quantized")
+  _expect(found is None or found == expected,
+          f"{where}: {step.op} of bucket {step.bucket} is quantized as {expected} under this "
+          f"config (gather_quantization, gather_quantization_phases, reduce_quantization, "
+          f"quantization_block), not {found}; change the config, not the step")
 
 
 def _items(data, key) -> list:

@@ -19,6 +19,16 @@ class Simulation:
   bucket_bytes: tuple[int, ...]  # gathered bytes of each bucket (compute dtype, padded)
   bucket_grad_bytes: tuple[int, ...]  # its full gradient's bytes (reduce dtype, padded)
   peak_secondary_bytes: int = 0  # hpZ: secondary shards held at once (all layers of a loop)
+  # what each bucket's collectives move: a gather's wire buffer per phase (forward,
+  # backward; quantized under qwZ), its gradient reduction's full buffer (qgZ: all-to-all)
+  gather_wire_bytes: tuple[tuple[int, int], ...] = ()
+  reduce_wire_bytes: tuple[int, ...] = ()
+
+  def wire_bytes(self, step, phase: str) -> int:
+    """Bytes of the collective of a gather or reduce_scatter step."""
+    if step.op == "gather":
+      return self.gather_wire_bytes[step.bucket][phase == "backward"]
+    return self.reduce_wire_bytes[step.bucket]
 
 
 def validate_schedule(s) -> Simulation:
@@ -254,6 +264,10 @@ class _Simulator:
                   for n, b in zip(self.elements, s.buckets)]
     self.grad_bytes = [n * ir.reduce_wire_dtype(b.dtype, s.config, s.platform).itemsize
                        for n, b in zip(self.elements, s.buckets)]
+    self.gather_wire = [tuple(ir.gather_wire_bytes(b, n, phase, s)
+                              for phase in ("forward", "backward"))
+                        for n, b in zip(self.elements, s.buckets)]
+    self.reduce_wire = [ir.reduce_wire_bytes(b, n, s) for n, b in zip(self.elements, s.buckets)]
     self.cap = s.config.max_live_parameters
     self.in_loop = False
     self.secondary: dict[int, int] = {}  # hpZ: bucket -> bytes of its kept secondary shards
@@ -266,7 +280,8 @@ class _Simulator:
     backward_live = self._run_phase("backward", self.s.backward, order, grad_live)
     self._check_end()
     return Simulation(tuple(forward_live), tuple(backward_live), tuple(grad_live),
-                      tuple(self.bytes), tuple(self.grad_bytes), self.peak_secondary)
+                      tuple(self.bytes), tuple(self.grad_bytes), self.peak_secondary,
+                      tuple(self.gather_wire), tuple(self.reduce_wire))
 
   def _run_phase(self, phase, steps, segment_order, grad_live=None):
     expected = list(segment_order)
@@ -410,10 +425,11 @@ class _Simulator:
                           f"{self.cap}. Release something first or raise the cap.")
 
   def _secondary_bytes(self, b) -> int:
-    """One gather's bytes over S (its rows on this device's shard position), times the
-    layers for a stacked bucket (the loop keeps every layer's)."""
+    """One forward gather's wire bytes over S (its rows on this device's shard position;
+    quantized under qwZ), times the layers for a stacked bucket (the loop keeps every
+    layer's)."""
     layers = loop_length(self.s, b) if self.s.buckets[b].stacked else 1
-    return layers * (self.bytes[b] // self.s.shards)
+    return layers * (self.gather_wire[b][0] // self.s.shards)
 
   def _keep_secondary(self, b, phase, where):
     if not self.s.config.secondary_partition:

@@ -4,6 +4,10 @@ optax adamw update) on the same mesh and batch:
   zjax_rolled    the zero3 trainer running the model's schedule, identical layers rolled
                  into loops (ZeroConfig.roll_layers, zjax's default)
   zjax_unrolled  the same with roll_layers=False: one segment per layer
+  zjax_qwz       zjax_rolled with ZeRO++ qwZ: int8 weight gathers (block 256, fp32 scales)
+  zjax_qgz       zjax_rolled with ZeRO++ qgZ: int8 gradient all-to-all instead of the
+                 reduce-scatter
+  zjax_qwz_qgz   both
   zjax_scanned   the model with its layers stacked by nn.scan (GPT; per-iteration gathers)
   gspmd_fsdp     JAX's default FSDP: every parameter sharded along its largest dimension
                  divisible by N, the batch sharded, jax.jit(value_and_grad + optax); XLA

@@ -89,9 +89,13 @@ def build_methods(model: Model, mesh, optimizer, hybrid=False, only=None) -> lis
   with `hybrid` the 2 x N/2 mesh rows."""
   rolled = dataclasses.replace(model.config, roll_layers=True)
   unrolled = dataclasses.replace(model.config, roll_layers=False)
+  qwz = dataclasses.replace(rolled, gather_quantization="int8")
+  qgz = dataclasses.replace(rolled, reduce_quantization="int8")
+  both = dataclasses.replace(qwz, reduce_quantization="int8")
   methods = [(name, lambda name=name, config=config: zjax_method(
       name, model.loss_fn, model.params, model.batch, mesh, config, optimizer))
-      for name, config in (("zjax_rolled", rolled), ("zjax_unrolled", unrolled))]
+      for name, config in (("zjax_rolled", rolled), ("zjax_unrolled", unrolled),
+                           ("zjax_qwz", qwz), ("zjax_qgz", qgz), ("zjax_qwz_qgz", both))]
   if model.scanned is not None:
     s = model.scanned
     methods.append(("zjax_scanned", lambda: zjax_method(
@@ -131,7 +135,8 @@ def compare(model: Model, mesh, rounds: int, steps_per_round: int) -> list[dict]
            **_measured(method), **_timing(times[method.name])}
     row["state_vs_floor"] = row["state_bytes"] / (ADAM_BYTES_PER_PARAM_BYTE * psi * itemsize / n)
     row["comm_vs_3psi"] = (row["all_gather_bytes"] + row["reduce_scatter_bytes"] +
-                           row["all_reduce_bytes"]) / (3 * psi * itemsize)
+                           row["all_to_all_bytes"] + row["all_reduce_bytes"]) / \
+        (3 * psi * itemsize)
     if method.schedule is not None:
       row.update(_predicted(method.schedule))
       row["state_vs_floor_plus_persistent"] = \
@@ -149,7 +154,7 @@ def _measured(method) -> dict:
   executed = hlo.executed(method.compiled.as_text())
   row = {k: summary[k] for k in ("temp_bytes", "argument_bytes", "output_bytes", "alias_bytes",
                                  "flops")}
-  for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+  for kind in ("all_gather", "reduce_scatter", "all_to_all", "all_reduce"):
     row[f"{kind}_count"] = executed.get(f"{kind}_count", 0)
     row[f"{kind}_bytes"] = executed.get(f"{kind}_bytes", 0)
   row["state_bytes"] = layout.per_device_bytes(method.state())
@@ -165,6 +170,7 @@ def _predicted(schedule) -> dict:
       jnp.dtype(p.dtype).itemsize for p in schedule.params)
   return {"predicted_all_gather_bytes": report["all_gather_bytes"],
           "predicted_reduce_scatter_bytes": report["reduce_scatter_bytes"],
+          "predicted_all_to_all_bytes": report["all_to_all_bytes"],
           "predicted_all_gather_count": report["all_gather_count"],
           "predicted_reduce_scatter_count": report["reduce_scatter_count"],
           "state_floor_plus_persistent_bytes": state_floor}
@@ -240,7 +246,8 @@ def main_tables(rows, n) -> list[Table]:
       ("communication and time", [
           ("AG", "all_gather_count"), ("AG bytes", "all_gather_bytes"),
           ("RS", "reduce_scatter_count"), ("RS bytes", "reduce_scatter_bytes"),
-          ("AR bytes", "all_reduce_bytes"), ("comm / 3Ψ", "comm_vs_3psi"),
+          ("A2A bytes", "all_to_all_bytes"), ("AR bytes", "all_reduce_bytes"),
+          ("comm / 3Ψ", "comm_vs_3psi"),
           ("GFLOP", "flops"), ("setup s", "setup_seconds"), ("compile s", "compile_seconds"),
           ("time / gspmd (min-max)", "time_vs_gspmd")])]
   tables = []

@@ -57,6 +57,12 @@ def add_parser(subparsers) -> None:
   p.add_argument("--roll-layers", action=argparse.BooleanOptionalAction, default=None,
                  help="override ZeroConfig.roll_layers (--no-roll-layers: one segment per "
                       "layer)")
+  p.add_argument("--gather-quantization", choices=("none", "int8"), default=None,
+                 help="override ZeroConfig.gather_quantization (ZeRO++ qwZ)")
+  p.add_argument("--reduce-quantization", choices=("none", "int8", "int4"), default=None,
+                 help="override ZeroConfig.reduce_quantization (ZeRO++ qgZ)")
+  p.add_argument("--quantization-block", type=int, default=None,
+                 help="override ZeroConfig.quantization_block (values per scale)")
   p.set_defaults(run=run)
 
 
@@ -168,9 +174,12 @@ def format_comparison(rows, links) -> str:
 
 def _config(base: ZeroConfig | None, args) -> ZeroConfig:
   overrides = {k: getattr(args, k) for k in _KNOBS if getattr(args, k) is not None}
-  for name in ("compute_dtype", "reduce_dtype", "roll_layers"):
+  for name in ("compute_dtype", "reduce_dtype", "roll_layers", "quantization_block"):
     if getattr(args, name) is not None:
       overrides[name] = getattr(args, name)
+  for name in ("gather_quantization", "reduce_quantization"):
+    if getattr(args, name) is not None:
+      overrides[name] = None if getattr(args, name) == "none" else getattr(args, name)
   return dataclasses.replace(base or ZeroConfig(), **overrides)
 
 
@@ -186,7 +195,9 @@ def _format_report(report: dict) -> str:
   width = max(len(k) for k in report)
   lines = ["report (per device, per training step):"]
   for key, value in report.items():
-    if isinstance(value, dict) and "bytes" in key:
+    if key == "quantization":
+      shown = _quantization_words(value)
+    elif isinstance(value, dict) and "bytes" in key:
       shown = ", ".join(f"{k}: {v} ({render.format_bytes(v)})" for k, v in value.items()) or "-"
     elif "bytes" in key:
       shown = f"{value}  ({render.format_bytes(value)})"
@@ -195,3 +206,20 @@ def _format_report(report: dict) -> str:
     note = _REPORT_NOTES.get(key)
     lines.append(f"  {key.ljust(width)}  {shown}" + (f"  [{note}]" if note else ""))
   return "\n".join(lines)
+
+
+def _quantization_words(q: dict) -> str:
+  """What qwZ / qgZ save, in words: each one's format and bytes against unquantized."""
+  if not q:
+    return "off"
+  parts = []
+  for name, what in (("gather", "all-gathers"), ("reduce", "gradient all-to-alls")):
+    if name in q:
+      e = q[name]
+      phases = f" ({'+'.join(e['phases'])})" if "phases" in e else ""
+      parts.append(f"{what}{phases} {e['dtype']}/{e['block']} {e['rounding']}: "
+                   f"{render.format_bytes(e['value_bytes'])} values + "
+                   f"{render.format_bytes(e['scale_bytes'])} scales vs "
+                   f"{render.format_bytes(e['unquantized_bytes'])} unquantized")
+  parts.append(f"gathers + reductions {q['bytes_vs_unquantized']:.3f}x of unquantized")
+  return "; ".join(parts)

@@ -23,8 +23,8 @@ def add_parser(subparsers) -> None:
     text = f"{settings_lib.HELP[field.name]} (default {field.default})"
     if isinstance(field.default, bool):
       p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
-    elif field.name == "precision":
-      p.add_argument(flag, choices=settings_lib.PRECISIONS, default=None, help=text)
+    elif field.name in settings_lib.CHOICES:
+      p.add_argument(flag, choices=settings_lib.CHOICES[field.name], default=None, help=text)
     else:
       p.add_argument(flag, type=type(field.default), default=None, metavar=field.name.upper(),
                      help=text)

@@ -31,11 +31,14 @@ def plan_table(schedule, num_params: int, param_bytes: int) -> Table:
                 format_bytes(param_bytes * (1 + ADAM_STATE_FACTOR)))
   table.add_row("gathered params (peak)", format_bytes(report["peak_live_param_bytes"]), "-")
   comm = report["all_gather_bytes"] + report["reduce_scatter_bytes"] + \
-      report["persistent_grad_all_reduce_bytes"] * 2
+      report["all_to_all_bytes"] + report["persistent_grad_all_reduce_bytes"] * 2
   table.add_row("communication (ring traffic)", format_bytes(comm),
                 format_bytes(2 * param_bytes))
-  table.add_row("collectives", f"{report['all_gather_count']} all-gather, "
-                f"{report['reduce_scatter_count']} reduce-scatter", "1 all-reduce")
+  exchanges = (f", {report['all_to_all_count']} all-to-all (qgZ)"
+               if report["all_to_all_count"] else "")
+  gathers = " (qwZ int8)" if "gather" in report["quantization"] else ""
+  table.add_row("collectives", f"{report['all_gather_count']} all-gather{gathers}, "
+                f"{report['reduce_scatter_count']} reduce-scatter{exchanges}", "1 all-reduce")
   return table
 
 
@@ -52,8 +55,9 @@ SUMMARY_LABELS = {
     "step_argument_bytes": "step inputs per device (state + batch)",
     "all_gather_bytes": "all-gather bytes per step (compiled)",
     "reduce_scatter_bytes": "reduce-scatter bytes per step (compiled)",
+    "all_to_all_bytes": "all-to-all bytes per step (compiled; qgZ)",
     "all_reduce_bytes": "all-reduce bytes per step (compiled)",
-    "schedule_collective_bytes": "all-gather + reduce-scatter bytes (schedule)",
+    "schedule_collective_bytes": "all-gather + reduce-scatter + all-to-all bytes (schedule)",
 }
 
 

@@ -116,7 +116,10 @@ def _setup(settings, mesh):
   config = zjax.ZeroConfig(
       prefetch_bucket_size=block, max_reuse_distance=block, param_persistence_threshold=4096,
       compute_dtype="bfloat16" if settings.precision == "bf16" else None,
-      roll_layers=settings.roll_layers)
+      roll_layers=settings.roll_layers,
+      gather_quantization=_or_none(settings.gather_quantization),
+      reduce_quantization=_or_none(settings.reduce_quantization),
+      quantization_block=settings.quantization_block)
   schedule = zjax.compile_schedule(loss_fn, shapes, {"tokens": tokens}, mesh=mesh,
                                    config=config)
   lr = optax.warmup_cosine_decay_schedule(
@@ -178,9 +181,15 @@ def _summary(settings, trainer, state, history, speed, seconds, batch) -> dict:
       "step_argument_bytes": int(memory.argument_size_in_bytes),
       "all_gather_bytes": int(executed.get("all_gather_bytes", 0)),
       "reduce_scatter_bytes": int(executed.get("reduce_scatter_bytes", 0)),
+      "all_to_all_bytes": int(executed.get("all_to_all_bytes", 0)),
       "all_reduce_bytes": int(executed.get("all_reduce_bytes", 0)),
-      "schedule_collective_bytes": report["all_gather_bytes"] + report["reduce_scatter_bytes"],
+      "schedule_collective_bytes": report["all_gather_bytes"] +
+      report["reduce_scatter_bytes"] + report["all_to_all_bytes"],
   }
+
+
+def _or_none(name: str):
+  return None if name == "none" else name
 
 
 def _progress(console, settings):

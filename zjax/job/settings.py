@@ -22,6 +22,9 @@ class TrainSettings:
   seq_len: int = 128
   scan: bool = False  # stack the blocks with nn.scan (gathered one layer per iteration)
   roll_layers: bool = True  # run the unrolled blocks as one loop (ZeroConfig.roll_layers)
+  gather_quantization: str = "none"  # or "int8": ZeRO++ qwZ (ZeroConfig.gather_quantization)
+  reduce_quantization: str = "none"  # or "int8", "int4": ZeRO++ qgZ
+  quantization_block: int = 256  # values per scale (ZeroConfig.quantization_block)
   # run
   devices: int = 8  # simulated CPU devices (or the first N accelerators)
   steps: int = 300
@@ -43,7 +46,8 @@ class TrainSettings:
 
   def __post_init__(self):
     positive = ("d_model", "n_layer", "n_head", "d_ff", "seq_len", "devices", "steps", "batch",
-                "eval_every", "eval_batches", "checkpoint_every", "corpus_bytes", "log_every")
+                "eval_every", "eval_batches", "checkpoint_every", "corpus_bytes", "log_every",
+                "quantization_block")
     for name in positive:
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -56,6 +60,11 @@ class TrainSettings:
       raise SettingsError(f"d_model {self.d_model} is not divisible by n_head {self.n_head}.")
     if self.precision not in PRECISIONS:
       raise SettingsError(f"precision must be 'fp32' or 'bf16', got {self.precision!r}.")
+    for name, known in (("gather_quantization", GATHER_QUANTIZATIONS),
+                        ("reduce_quantization", REDUCE_QUANTIZATIONS)):
+      if getattr(self, name) not in known:
+        raise SettingsError(f"{name} must be one of {list(known)}, got "
+                            f"{getattr(self, name)!r}.")
     if not (isinstance(self.lr, (int, float)) and self.lr > 0):
       raise SettingsError(f"lr must be a positive number, got {self.lr!r}.")
     if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
@@ -68,6 +77,10 @@ class TrainSettings:
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainSettings)}
 PRECISIONS = ("fp32", "bf16")
+GATHER_QUANTIZATIONS = ("none", "int8")
+REDUCE_QUANTIZATIONS = ("none", "int8", "int4")
+CHOICES = {"precision": PRECISIONS, "gather_quantization": GATHER_QUANTIZATIONS,
+           "reduce_quantization": REDUCE_QUANTIZATIONS}
 HELP = {  # what each setting does (the flags' help)
     "d_model": "GPT width (embedding size)",
     "n_layer": "GPT blocks",
@@ -78,6 +91,11 @@ HELP = {  # what each setting does (the flags' help)
             "(less memory, faster compile) instead of one segment per block",
     "roll_layers": "run the identical unrolled blocks as one loop, as if scanned "
                    "(ZeroConfig.roll_layers); --no-roll-layers: one segment per block",
+    "gather_quantization": "ZeRO++ qwZ: int8 weight gathers, block-wise with float32 "
+                           "scales (ZeroConfig.gather_quantization)",
+    "reduce_quantization": "ZeRO++ qgZ: int8 or int4 gradient all-to-all instead of the "
+                           "reduce-scatter, stochastic rounding (ZeroConfig.reduce_quantization)",
+    "quantization_block": "values per float32 scale for both quantizations",
     "devices": "simulated CPU devices, or the first N accelerators",
     "steps": "optimizer steps in all (a resumed run continues up to this step)",
     "batch": "global batch in sequences (a multiple of --devices)",
