@@ -5,6 +5,7 @@ program's while bodies against the schedule; what is rolled and what is not (and
 checkpoints across rolled and unrolled schedules; schedule files."""
 
 import dataclasses
+import functools
 import json
 import pathlib
 
@@ -261,6 +262,7 @@ def test_while_bodies_hold_one_layers_collectives():
     assert executed[f"{kind}_bytes"] == report[f"{kind}_bytes"], kind
 
 
+@functools.lru_cache(maxsize=None)  # shared by the tests of the compiled program
 def _compiled(n_layer, config):
   mesh = mesh_of(8)
   loss, params, batch = gpt(n_layer)
