@@ -8,7 +8,8 @@ import sys
 
 # zjax.cli.devices.CPU_ORDERING_FLAGS (not imported: importing zjax first is not needed here)
 _FLAGS = ("--xla_disable_hlo_passes=cse_barrier_expander",
-          "--xla_cpu_copy_insertion_use_region_analysis=true")
+          "--xla_cpu_copy_insertion_use_region_analysis=true",
+          "--xla_cpu_enable_concurrency_optimized_scheduler=false")
 for _flag in _FLAGS:
   if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()

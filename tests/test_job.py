@@ -74,10 +74,10 @@ def test_train_end_to_end_then_resume_on_other_devices_scanned(tmp_path):
   assert "exported" in printed and "next byte" in printed
 
 
-def test_train_unrolled_in_bf16_with_quantized_communication(tmp_path):
+def test_train_unrolled_in_bf16_with_quantized_communication_and_offload(tmp_path):
   done = zjax_cli("train", *TINY, "--steps", "3", "--devices", "8", "--precision", "bf16",
                   "--gather-quantization", "int8", "--reduce-quantization", "int4",
-                  "--out-dir", str(tmp_path / "run"))
+                  "--offload-optimizer", "--out-dir", str(tmp_path / "run"))
   assert done.returncode == 0, done.stderr[-3000:]
   metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
   assert metrics["settings"]["precision"] == "bf16" and len(metrics["train"]) == 3
@@ -85,6 +85,10 @@ def test_train_unrolled_in_bf16_with_quantized_communication(tmp_path):
   summary = metrics["summary"]
   assert summary["all_to_all_bytes"] > 0 and summary["reduce_scatter_bytes"] == 0
   assert "all-gather (qwZ int8)" in done.stdout and "all-to-all (qgZ)" in done.stdout
+  # offloaded: bf16 copies on the device, fp32 masters and adam moments (3x) on the host
+  host, device = summary["per_device_state_host_bytes"], summary["per_device_state_device_bytes"]
+  assert 0 <= host - 6 * device <= 64  # + the optimizer's step counts
+  assert "masters + adam state (host)" in done.stdout
 
 
 def test_resume_with_another_model_fails_clearly(tmp_path):

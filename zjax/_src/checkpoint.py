@@ -31,7 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
-from zjax._src import layout
+from zjax._src import layout, offload
 from zjax._src import restore_plan as plan
 from zjax._src.restore_plan import CheckpointError, Leaf as _Leaf
 
@@ -265,7 +265,10 @@ def _read_natural(state_dir, d) -> np.ndarray:
 def _to_stored(state, schedule):
   """(orbax tree, leaf descriptions) of a train state; persistent leaves are raveled."""
   n = schedule.num_devices
-  param_leaves = layout.stored_leaves(state.params, schedule, "state.params")
+  # offloaded states save their fp32 masters (host), not the device copies
+  masters = getattr(state, "masters", None)
+  param_leaves = layout.stored_leaves(state.params if masters is None else masters,
+                                      schedule, "state.params")
   tree = {"params": {}, "opt": {}, "extra": {}}
   leaves = {"params": [], "opt": [], "extra": []}
   for k, (x, leaf) in enumerate(zip(param_leaves, schedule.storage)):
@@ -307,8 +310,16 @@ def _ravel(x):
 @functools.partial(jax.jit, static_argnums=1)
 def _checksum_tree(tree, rows):
   rows = {(part, key): row for part, key, row in rows}
-  return {part: {key: _checksum(x, row=rows.get((part, key), 0))
+  return {part: {key: _checksum_where_it_is(x, rows.get((part, key), 0))
                  for key, x in leaves.items()} for part, leaves in tree.items()}
+
+
+def _checksum_where_it_is(x, row):
+  """The checksum, computed in the memory the array lives in (an offloaded state's host
+  leaves on the host: no device copy of them)."""
+  if getattr(x.aval, "memory_space", None) == jax.memory.Space.Host:
+    return offload.on_host(functools.partial(_checksum, row=row))(x)
+  return _checksum(x, row=row)
 
 
 def _rows(rows_by_part) -> tuple:
@@ -337,6 +348,8 @@ def _checksum(x, xp=jnp, row=0):
     position = r * np.uint32(row * words) + c
   else:
     position = jnp.arange(bits.shape[0], dtype=np.uint32)
+  if getattr(bits.aval, "memory_space", None) == jax.memory.Space.Host:
+    position = jax.device_put(position, jax.memory.Space.Host)  # computed beside x
   return jnp.sum(bits * (position * np.uint32(2) + np.uint32(1)), dtype=np.uint32)
 
 

@@ -253,10 +253,15 @@ def largest_dim_spec(shape, num_devices: int, axis: str) -> P:
   return P(*([None] * d + [axis]))
 
 
-def per_device_bytes(tree) -> int:
-  """Bytes a pytree of jax arrays occupies on its most loaded device."""
+def per_device_bytes(tree, memory_kind: str | None = None) -> int:
+  """Bytes a pytree of jax arrays occupies on its most loaded device; with `memory_kind`
+  ("device", "pinned_host", ...) only the arrays in that memory (an offloaded state's
+  optimizer state and masters are in "pinned_host")."""
   per_device: dict = {}
   for leaf in jax.tree.leaves(tree):
+    kind = getattr(leaf.sharding, "memory_kind", None) or "device"
+    if memory_kind is not None and kind != memory_kind:
+      continue
     for shard in leaf.addressable_shards:
       per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
   return max(per_device.values(), default=0)

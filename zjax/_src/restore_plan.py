@@ -79,7 +79,7 @@ def restore_plan(saved, target, schedule, where):
   target state, and per target leaf (keys it reads, conversion after the read)."""
   items = {"params": {}, "opt": {}, "extra": {}}
   sources = natural_params(saved["params"])
-  targets = layout.stored_leaves(target.params, schedule, "target params")
+  targets = layout.stored_leaves(_param_target(target), schedule, "target params")
   plans = {"params": [_plan_storage(items, "params", sources, x, leaf, schedule, where)
                       for x, leaf in zip(targets, schedule.storage)]}
   plans["opt"] = _plan_opt(items, saved, target.opt_state, schedule, where)
@@ -231,8 +231,17 @@ def _conversion(leaf, entry, target):
 
 # ---- after the read -------------------------------------------------------------------
 
+def _param_target(target):
+  """Where the checkpoint's parameters go: an offloaded state's host masters (its params
+  are device copies made from them), else its params."""
+  masters = getattr(target, "masters", None)
+  return target.params if masters is None else masters
+
+
 def assemble(restored, plans, target, train_step, mesh):
-  """The train state in the target's structure, every leaf converted to its storage."""
+  """The train state in the target's structure, every leaf converted to its storage and
+  in its memory (converted leaves are read to the device, then placed); an offloaded
+  target's device copies are cast from its masters."""
   replicated = NamedSharding(mesh, P())
   parts = {part: [tuple(restored[part][k] for k in keys) for keys, _ in plans[part]]
            for part in plans}
@@ -240,11 +249,22 @@ def assemble(restored, plans, target, train_step, mesh):
   converted = _converted(parts, conversions, mesh)
 
   def tree(part, like):
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), converted[part])
+    leaves = [jax.device_put(x, t.sharding) if x.sharding.memory_kind != t.sharding.memory_kind
+              else x for x, t in zip(converted[part], jax.tree.leaves(like))]
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), leaves)
 
   step = jax.device_put(jnp.asarray(train_step, jnp.int32), replicated)
-  return type(target)(step=step, params=tree("params", target.params),
-                      opt_state=tree("opt", target.opt_state), extra=tree("extra", target.extra))
+  params = tree("params", _param_target(target))
+  state = type(target)(step=step, params=params, opt_state=tree("opt", target.opt_state),
+                       extra=tree("extra", target.extra))
+  if getattr(target, "masters", None) is None:
+    return state
+  shardings = [t.sharding for t in jax.tree.leaves(target.params)]
+  dtypes = [t.dtype for t in jax.tree.leaves(target.params)]
+  copies = jax.jit(lambda ms: [m.astype(d) for m, d in zip(ms, dtypes)],
+                   out_shardings=shardings)(jax.tree.leaves(params))
+  return state._replace(masters=params, params=jax.tree.unflatten(
+      jax.tree.structure(target.params), copies))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))

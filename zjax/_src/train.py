@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 # No public dead-code elimination in JAX; this is the one jit applies.
 from jax._src.interpreters import partial_eval as pe
 
-from zjax._src import ir, layout, optcheck
+from zjax._src import ir, layout, offload, optcheck
 from zjax._src.errors import ZjaxError
 from zjax._src.execute import is_key, value_and_grad
 
@@ -27,9 +27,11 @@ from zjax._src.execute import is_key, value_and_grad
 class TrainState(NamedTuple):
   """Everything that changes during training, sharded like the schedule's layout."""
   step: jax.Array  # int32 scalar: optimizer steps taken
-  params: Any  # the parameters in the sharded layout
+  params: Any  # the parameters in the sharded layout (offloaded: the device copies, in
+  #              the compute dtype, that the step gathers from)
   opt_state: Any  # optax state over the trainable leaves of the sharded layout
   extra: Any = None  # non-parameter state (e.g. batch statistics), replicated
+  masters: Any = None  # offload_optimizer: the fp32 master shards, in host memory
 
 
 class Zero3(NamedTuple):
@@ -54,7 +56,8 @@ class NonFiniteError(FloatingPointError):
 
 
 def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, *, mesh,
-          accumulation_steps: int = 1, on_nonfinite: str = "skip") -> Zero3:
+          accumulation_steps: int = 1, on_nonfinite: str = "skip",
+          offload_optimizer: bool = False) -> Zero3:
   """A ZeRO-3 trainer for `loss_fn(params, batch) -> scalar` running `schedule` on `mesh`.
 
   Args:
@@ -67,6 +70,10 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
       split into K equal micro-batches (each divisible by N). Equals one step on the batch.
     on_nonfinite: "skip" (default) leaves the state unchanged when the loss or gradient norm
       is not finite and reports it in metrics; "raise" also raises `NonFiniteError`.
+    offload_optimizer: ZeRO-Offload (DeepSpeed ``offload_optimizer.device = cpu``): the
+      fp32 master shards (`TrainState.masters`) and the optimizer state live in host
+      memory ("pinned_host") and the update runs on the host; the device keeps parameter
+      copies in the compute dtype (`TrainState.params`) and the gradients (offload.py).
 
   Example:
     >>> trainer = zjax.zero3(loss_fn, optax.adamw(1e-3), schedule, mesh=mesh)  # doctest: +SKIP
@@ -75,6 +82,10 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
   """
   _check_args(optimizer, accumulation_steps, on_nonfinite)
   layout.check_mesh(schedule, mesh)
+  if not isinstance(offload_optimizer, bool):
+    raise ValueError(f"offload_optimizer must be True or False, got {offload_optimizer!r}.")
+  if offload_optimizer:
+    offload.check_host_memory(mesh)
   trainable = _trainable_fn(schedule)
   masked_opt = optax.masked(optimizer, trainable)  # non-float, frozen: no optimizer state
   grad_fn = value_and_grad(loss_fn, schedule, mesh=mesh)
@@ -100,46 +111,87 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
       build = sharded_init(init_fn, schedule, mesh)
     return _state_from(build(*args), extra)
 
+  leaf_shardings = offload.leaf_shardings(schedule, mesh)
+
   def _state_from(sharded, extra) -> TrainState:
     optcheck.check_optimizer(optimizer, schedule, mesh, jax.tree_util.tree_structure(sharded),
                              jax.tree.leaves(trainable(sharded)),
                              name=optcheck.transform_name(optimizer))
+    masters = None
+    if offload_optimizer:  # masters to the host, device copies in the compute dtype
+      masters = offload.place(sharded, _like(sharded, leaf_shardings), offload.HOST)
+      sharded = jax.jit(lambda m: offload.device_copies(m, schedule), out_shardings=_like(
+          sharded, leaf_shardings))(sharded)
     with jax.set_mesh(mesh):  # optax creates unsharded scalars: Explicit meshes need context
       # explicit output shardings: on Auto axes jit would otherwise replicate the moments
-      shardings = _opt_state_shardings(jax.eval_shape(masked_opt.init, sharded), schedule,
-                                       mesh)
-      opt_state = jax.jit(masked_opt.init, out_shardings=shardings)(sharded)
+      base = sharded if masters is None else masters
+      shardings = _opt_state_shardings(jax.eval_shape(masked_opt.init, base), schedule, mesh,
+                                       offload_optimizer)
+      init_opt = offload.on_host(masked_opt.init) if offload_optimizer else masked_opt.init
+      opt_state = jax.jit(init_opt, out_shardings=shardings)(base)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=sharded, opt_state=opt_state,
                        # copies: the state is donated, the caller's arrays must survive
-                       extra=jax.tree.map(lambda x: jnp.array(x, copy=True), extra))
+                       extra=jax.tree.map(lambda x: jnp.array(x, copy=True), extra),
+                       masters=masters)
     return _on_mesh(state, mesh)
+
+  def update(grads, opt_state, params, finite):
+    """(new params, new optimizer state): optax on the shards, unchanged unless `finite`."""
+    updates, new_opt = masked_opt.update(grads, opt_state, params)
+    new_params = _apply_by_sub_group(params, updates, sub_groups)
+    keep = lambda n, o: jnp.where(finite, n, o)  # noqa: E731
+    return jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_opt, opt_state)
 
   def train_step(state: TrainState, batch):
     loss, extra, grads = _accumulated(grad_fn, state.params, batch, state.extra,
                                       accumulation_steps, mesh, schedule.config.fold_rng_keys)
     trainable_leaves = trainable(state.params)
     grad_norm = optax.tree.norm(_select(grads, trainable_leaves))
-    updates, opt_state = masked_opt.update(grads, state.opt_state, state.params)
-    params = _apply_by_sub_group(state.params, updates, sub_groups)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    new = TrainState(state.step + 1, params, opt_state, extra)
-    new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
+    masters = state.masters
+    if offload_optimizer:  # the state to the device, the update, the state back to the host
+      masters, opt_state = update(grads, offload.to_space(state.opt_state, "device"),
+                                  offload.to_space(state.masters, "device"), finite)
+      params = offload.device_copies(masters, schedule)
+      masters, opt_state = offload.to_space((masters, opt_state), "host")
+    else:
+      params, opt_state = update(grads, state.opt_state, state.params, finite)
+    keep = lambda n, o: jnp.where(finite, n, o)  # noqa: E731
+    new = TrainState(keep(state.step + 1, state.step), params, opt_state,
+                     jax.tree.map(keep, extra, state.extra), masters)
     return new, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
 
-  jitted = jax.jit(train_step, donate_argnums=0)
+  plain_jit = jax.jit(train_step, donate_argnums=0)
+  offload_jits = {}
+
+  def jitted_for(state):
+    """The jitted step; offloaded, with the state's own shardings (memory kinds) as its
+    outputs', so that donated host buffers stay on the host."""
+    if not offload_optimizer:
+      return plain_jit
+    key = jax.tree.structure(state)
+    if key not in offload_jits:
+      shardings = jax.tree.map(lambda x: x.sharding, state)
+      offload_jits[key] = jax.jit(train_step, donate_argnums=0,
+                                  out_shardings=(shardings, NamedSharding(mesh, P())))
+    return offload_jits[key]
 
   def step(state: TrainState, batch):
-    new, metrics = jitted(state, batch)
+    new, metrics = jitted_for(state)(state, batch)
     if on_nonfinite == "raise" and not bool(metrics["finite"]):
       raise NonFiniteError(f"Step {int(new.step)}: the loss ({float(metrics['loss'])}) or the "
                            f"gradient norm ({float(metrics['grad_norm'])}) is not finite; the "
                            f"state was left unchanged (see .state).", new)
     return new, metrics
 
-  step.lower = jitted.lower  # ahead-of-time analysis: step.lower(state, batch).compile()
+  # ahead-of-time analysis: step.lower(state, batch).compile()
+  step.lower = lambda state, batch: jitted_for(state).lower(state, batch)
 
   def gather_params(state: TrainState):
-    return layout.unshard(state.params, schedule)
+    if state.masters is None:
+      return layout.unshard(state.params, schedule)
+    return layout.unshard(offload.place(state.masters, _like(state.masters, leaf_shardings),
+                                        offload.DEVICE), schedule)
 
   def abstract_state(extra=None) -> TrainState:
     """The state `init` would return, as ShapeDtypeStructs carrying their shardings (for
@@ -150,28 +202,42 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
     with jax.set_mesh(mesh):
       opt_state = jax.eval_shape(masked_opt.init, params)
     replicated = NamedSharding(mesh, P())
-    opt_shardings = _opt_state_shardings(opt_state, schedule, mesh)
+    opt_shardings = _opt_state_shardings(opt_state, schedule, mesh, offload_optimizer)
+    masters = None
+    if offload_optimizer:
+      masters = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+          x.shape, x.dtype, sharding=offload.with_kind(x.sharding, offload.HOST)), params)
+      params = jax.tree.map(lambda x, d: jax.ShapeDtypeStruct(x.shape, d, sharding=x.sharding),
+                            params, _like(params, offload.copy_dtypes(schedule)))
     return TrainState(
         step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params=params,
         opt_state=jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                opt_state, opt_shardings),
         extra=jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                          sharding=replicated), extra))
+                                                          sharding=replicated), extra),
+        masters=masters)
 
   return Zero3(init=init, init_from=init_from, step=step, gather_params=gather_params,
                abstract_state=abstract_state, schedule=schedule, mesh=mesh)
 
 
-def _opt_state_shardings(opt_shapes, schedule, mesh):
+def _opt_state_shardings(opt_shapes, schedule, mesh, on_host=False):
   """Each optimizer leaf that mirrors a parameter (adam's mu, nu) sharded like it; the rest
-  (step counts, scalars) replicated."""
+  (step counts, scalars) replicated; all in host memory when offloaded."""
   specs = layout.storage_specs(schedule)
+  kind = offload.HOST if on_host else None
 
   def sharding(path, leaf):
     index = layout.mirrored_storage(jax.tree_util.keystr(path), leaf.shape, schedule)
-    return NamedSharding(mesh, P() if index is None else specs[index])
+    return NamedSharding(mesh, P() if index is None else specs[index], memory_kind=kind)
 
   return jax.tree_util.tree_map_with_path(sharding, opt_shapes)
+
+
+def _like(tree, leaves):
+  """`leaves` (one per leaf of `tree`, in order) in the structure of `tree`."""
+  return jax.tree.unflatten(jax.tree.structure(tree), list(leaves))
+
 
 
 def sharded_init(init_fn: Callable, schedule, mesh) -> Callable:

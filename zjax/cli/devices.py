@@ -7,9 +7,13 @@ import os
 # On CPU: keep optimization barriers (XLA's CPU pipeline removes them, so CPU programs would
 # not keep the order a GPU does, DESIGN.md), and with them kept, use region analysis in copy
 # insertion: without it, a loop carrying several values (a rolled run of GQA layers) read
-# buffers already reused, giving NaN losses in 5 of 12 steps (measured, jax 0.10.2).
+# buffers already reused, giving NaN losses in 5 of 12 steps (measured, jax 0.10.2). And
+# with barriers kept, XLA's concurrency-optimized CPU scheduler races: a rolled GQA model on
+# 4 devices gave NaN losses or collectives whose devices disagreed on the participants (a
+# rendezvous abort) in about 1 run in 10; with it off, 100 of 100 runs were right.
 CPU_ORDERING_FLAGS = ("--xla_disable_hlo_passes=cse_barrier_expander",
-                      "--xla_cpu_copy_insertion_use_region_analysis=true")
+                      "--xla_cpu_copy_insertion_use_region_analysis=true",
+                      "--xla_cpu_enable_concurrency_optimized_scheduler=false")
 _PLUGINS = ("jax-cuda", "jax_cuda", "jax-rocm", "jax_rocm", "libtpu")
 _DEVICE_FILES = ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/accel*", "/dev/vfio/[0-9]*")
 

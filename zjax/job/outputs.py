@@ -9,13 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 from rich.table import Table
 
+from zjax._src import ir
 from zjax._src.render import format_bytes
 from zjax.job.corpus import END_OF_TEXT
 
 ADAM_STATE_FACTOR = 2  # adam's mu and nu, each shaped like the parameters
 
 
-def plan_table(schedule, num_params: int, param_bytes: int) -> Table:
+def plan_table(schedule, num_params: int, param_bytes: int, offloaded: bool = False) -> Table:
   """Predicted per-device state and communication per step: zjax vs plain data parallel
   (replicated params, grads and adam state). Communication as ring traffic: an all-gather
   or reduce-scatter moves about its buffer, an all-reduce twice its buffer."""
@@ -27,6 +28,11 @@ def plan_table(schedule, num_params: int, param_bytes: int) -> Table:
   table.add_column("")
   table.add_column("zjax (ZeRO-3)", justify="right")
   table.add_column("data parallel", justify="right")
+  if offloaded:  # device: parameter copies in the compute dtype; host: masters + adam
+    copies = state * ir.gather_dtype("float32", schedule.config.compute_dtype).itemsize // 4
+    table.add_row("params (device copies)", format_bytes(copies), "-")
+    table.add_row("masters + adam state (host)", format_bytes(state * (1 + ADAM_STATE_FACTOR)),
+                  "-")
   table.add_row("params + adam state", format_bytes(state * (1 + ADAM_STATE_FACTOR)),
                 format_bytes(param_bytes * (1 + ADAM_STATE_FACTOR)))
   table.add_row("gathered params (peak)", format_bytes(report["peak_live_param_bytes"]), "-")
@@ -51,6 +57,8 @@ SUMMARY_LABELS = {
     "wall_seconds": "wall time (s)",
     "devices": "devices",
     "per_device_state_bytes": "state per device (params + adam moments)",
+    "per_device_state_device_bytes": "of which in device memory",
+    "per_device_state_host_bytes": "of which in host memory (offload_optimizer)",
     "step_temp_bytes": "step scratch memory per device (XLA temp)",
     "step_argument_bytes": "step inputs per device (state + batch)",
     "all_gather_bytes": "all-gather bytes per step (compiled)",

@@ -34,7 +34,8 @@ def train(settings, console: Console) -> dict:
   console.print(f"corpus: {data.num_files} files of {data.source}, "
                 f"{len(data.train):,} train / {len(data.validation):,} validation bytes")
   model, loss_fn, trainer, param_count, param_bytes = _setup(settings, mesh)
-  console.print(outputs.plan_table(trainer.schedule, param_count, param_bytes))
+  console.print(outputs.plan_table(trainer.schedule, param_count, param_bytes,
+                                   settings.offload_optimizer))
 
   settings.checkpoint_dir.mkdir(parents=True, exist_ok=True)
   ckpt = zjax.CheckpointManager(settings.checkpoint_dir, trainer, max_to_keep=2)
@@ -127,7 +128,8 @@ def _setup(settings, mesh):
       settings.lr * settings.min_lr_ratio)
   optimizer = optax.chain(optax.clip_by_global_norm(1.0),
                           optax.adamw(lr, weight_decay=settings.weight_decay))
-  trainer = zjax.zero3(loss_fn, optimizer, schedule, mesh=mesh)
+  trainer = zjax.zero3(loss_fn, optimizer, schedule, mesh=mesh,
+                       offload_optimizer=settings.offload_optimizer)
   leaves = jax.tree.leaves(shapes)
   count = sum(int(np.prod(x.shape)) for x in leaves)
   return model, loss_fn, trainer, count, sum(int(np.prod(x.shape)) * x.dtype.itemsize
@@ -176,7 +178,10 @@ def _summary(settings, trainer, state, history, speed, seconds, batch) -> dict:
       "tokens_per_second": speed,
       "wall_seconds": seconds,
       "devices": settings.devices,
-      "per_device_state_bytes": layout.per_device_bytes((state.params, state.opt_state)),
+      "per_device_state_bytes": layout.per_device_bytes(_state_arrays(state)),
+      "per_device_state_device_bytes": layout.per_device_bytes(_state_arrays(state), "device"),
+      "per_device_state_host_bytes": layout.per_device_bytes(_state_arrays(state),
+                                                             "pinned_host"),
       "step_temp_bytes": int(memory.temp_size_in_bytes),
       "step_argument_bytes": int(memory.argument_size_in_bytes),
       "all_gather_bytes": int(executed.get("all_gather_bytes", 0)),
@@ -186,6 +191,10 @@ def _summary(settings, trainer, state, history, speed, seconds, batch) -> dict:
       "schedule_collective_bytes": report["all_gather_bytes"] +
       report["reduce_scatter_bytes"] + report["all_to_all_bytes"],
   }
+
+
+def _state_arrays(state):
+  return (state.params, state.opt_state, state.masters)
 
 
 def _or_none(name: str):

@@ -25,6 +25,7 @@ class TrainSettings:
   gather_quantization: str = "none"  # or "int8": ZeRO++ qwZ (ZeroConfig.gather_quantization)
   reduce_quantization: str = "none"  # or "int8", "int4": ZeRO++ qgZ
   quantization_block: int = 256  # values per scale (ZeroConfig.quantization_block)
+  offload_optimizer: bool = False  # fp32 masters and adam state in host memory (zero3)
   # run
   devices: int = 8  # simulated CPU devices (or the first N accelerators)
   steps: int = 300
@@ -96,6 +97,8 @@ HELP = {  # what each setting does (the flags' help)
     "reduce_quantization": "ZeRO++ qgZ: int8 or int4 gradient all-to-all instead of the "
                            "reduce-scatter, stochastic rounding (ZeroConfig.reduce_quantization)",
     "quantization_block": "values per float32 scale for both quantizations",
+    "offload_optimizer": "ZeRO-Offload: fp32 master shards and adam state in host memory "
+                         "(pinned_host), parameter copies in the compute dtype on the device",
     "devices": "simulated CPU devices, or the first N accelerators",
     "steps": "optimizer steps in all (a resumed run continues up to this step)",
     "batch": "global batch in sequences (a multiple of --devices)",

@@ -1,0 +1,63 @@
+"""Optimizer offload: per-device state in device and host memory, and step time, with and
+without `zero3(..., offload_optimizer=True)`, fp32 and bf16 compute (the bench GPT, adamw,
+8 simulated devices; step times interleaved, median of rounds; CPU: indicative only).
+
+  python examples/offload_memory.py [--layers 8] [--rounds 5]
+"""
+
+import argparse
+import statistics
+import time
+
+from zjax.cli import devices
+
+devices.setup(8)  # before JAX starts
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+import zjax  # noqa: E402
+from zjax.bench.run import gpt_model  # noqa: E402
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--layers", type=int, default=8)
+  parser.add_argument("--rounds", type=int, default=5)
+  args = parser.parse_args()
+  model = gpt_model(args.layers, 128, 16)
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+  runs = {}
+  for precision, dtype in (("fp32", None), ("bf16", jnp.bfloat16)):
+    config = zjax.ZeroConfig(**{**model.config.__dict__, "compute_dtype": dtype})
+    schedule = zjax.compile_schedule(model.loss_fn, model.params, model.batch, mesh=mesh,
+                                     config=config)
+    for offloaded in (False, True):
+      trainer = zjax.zero3(model.loss_fn, optax.adamw(1e-3), schedule, mesh=mesh,
+                           offload_optimizer=offloaded)
+      box = [trainer.init(model.params)]
+      box[0], _ = trainer.step(box[0], model.batch)  # compile
+      runs[precision, offloaded] = (trainer, box, [])
+  params = sum(x.size for x in jax.tree.leaves(model.params))
+  for _ in range(args.rounds):  # interleaved: A B C D A B C D ...
+    for trainer, box, times in runs.values():
+      start = time.perf_counter()
+      for _ in range(2):
+        box[0], metrics = trainer.step(box[0], model.batch)
+      jax.block_until_ready(metrics["loss"])
+      times.append((time.perf_counter() - start) / 2)
+  print(f"GPT {args.layers} layers, {params:,} parameters, 8 devices; per device: bytes per "
+        f"parameter / N (device, host) and step time")
+  print(f"{'run':<18} {'device B/param/N':>17} {'host B/param/N':>15} {'step ms':>8} {'vs on-device':>12}")
+  for (precision, offloaded), (trainer, box, times) in runs.items():
+    state = (box[0].params, box[0].opt_state, box[0].masters)
+    per = lambda kind: zjax.per_device_bytes(state, kind) * 8 / params  # noqa: E731
+    base = statistics.median(runs[precision, False][2])
+    print(f"{precision + (' offloaded' if offloaded else ''):<18} {per('device'):>17.2f} "
+          f"{per('pinned_host'):>15.2f} {statistics.median(times) * 1e3:>8.1f} "
+          f"{statistics.median(times) / base:>12.2f}")
+
+
+if __name__ == "__main__":
+  main()
