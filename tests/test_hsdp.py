@@ -352,8 +352,9 @@ def test_memory_of_each_layout_as_predicted(name):
   """Per-device state: HSDP 1/S, flat and hpZ 1/(R*S) of each sharded parameter (+ the
   persistent ones), from the arrays and from the compiled program's arguments; hpZ's extra
   temp memory over flat is its secondary partition (within 30%: XLA's buffer assignment;
-  the layers not rolled, so that the unrolled program is measured, the scan being the
-  scanned GPT's; a rolled loop's secondaries cost less than predicted: test_rolling.py)."""
+  the layers not rolled, so that the unrolled program is measured). The scanned GPT's scan
+  is a loop whose peak XLA places where part of the secondaries no longer counts, so there
+  the secondaries bound the extra from above only (as for rolled loops: test_rolling.py)."""
   loss, params, batch = MODELS[name]()
   mesh = hsdp_mesh((2, 4))
   found = {}
@@ -374,7 +375,9 @@ def test_memory_of_each_layout_as_predicted(name):
   assert state["hpz"] == state["flat2d"] and 1.9 < state["hsdp"] / state["flat2d"] <= 2
   secondary = found["hpz"][0]["secondary_bytes"]
   extra = found["hpz"][1].temp_size_in_bytes - found["flat2d"][1].temp_size_in_bytes
-  assert 0.7 * secondary <= extra <= 1.25 * secondary, (extra, secondary)
+  assert 0 < extra <= 1.25 * secondary, (extra, secondary)
+  if name == "gpt":  # unrolled: every secondary is live at the peak (forward -> backward)
+    assert 0.7 * secondary <= extra, (extra, secondary)
 
 
 @pytest.mark.parametrize("layout", ["hsdp", "hpz"])

@@ -10,6 +10,19 @@ from jax import lax
 from zjax._src import layout, quantize
 
 
+def after(x, previous):
+  """x, ordered after `previous` (the last collective's result; None: no order).
+
+  One device's collectives run one after another: XLA's CPU runtime may otherwise run two
+  independent collectives of a device at once, and with optimization barriers kept (the
+  CPU flags of DESIGN.md) their rendezvous then mixed up participants (aborts, or NaNs,
+  on rolled GQA and quantized programs). GPUs issue collectives in order on one stream."""
+  if previous is None:
+    return x
+  x, _ = lax.optimization_barrier((x, previous))
+  return x
+
+
 def gather_wire(chunks, axes, quantization=None):
   """Each member's local chunk (in the compute dtype) -> (the gathered [N, W] wire buffer,
   the local buffer); row d is device d's."""

@@ -230,6 +230,7 @@ class _State:
     self.wires: dict[int, Any] = {}  # hpZ: bucket -> its last forward gather's wire buffer
     self.secondary: dict[int, Any] = {}  # hpZ: bucket -> this device's secondary shard
     self.anchor = batch_leaves[0] if batch_leaves else None
+    self.last_collective = None  # its result: the next collective is ordered after it
     self.vjps: dict[int, tuple] = {}
     self.cts: dict[int, Any] = {}
     self.full_grads: dict[int, Any] = {}  # param index -> accumulated full gradient
@@ -274,21 +275,30 @@ class _State:
       secondary = self.secondary[b]
       if self.anchor is not None:
         secondary, _ = lax.optimization_barrier((secondary, self.anchor))
-      wire = collectives.gather_from_secondary(secondary, self.dp.shard_axes)
+      wire = collectives.gather_from_secondary(
+          collectives.after(secondary, self.last_collective), self.dp.shard_axes)
     else:
       if self.anchor is not None:
         chunks, _ = lax.optimization_barrier((chunks, self.anchor))
-      wire, _ = collectives.gather_wire(chunks, self.dp.gather_axes(phase),
+      wire, _ = collectives.gather_wire(collectives.after(chunks, self.last_collective),
+                                        self.dp.gather_axes(phase),
                                         self.dp.gather_quantization(b, phase))
       if self.dp.secondary_partition:
         self.wires[b] = wire
+    self.last_collective = wire
     values = collectives.unpack_wire(wire, chunks, entries, self.dp.n,
                                      self.dp.gather_quantization(b, phase))
     self.gathered.update(zip(members, values))
 
   def keep_secondary(self, b):
-    self.secondary[b] = collectives.secondary_rows(self.wires[b], self.dp.s.replicas,
-                                                   self.dp.shard_axes)
+    secondary = collectives.secondary_rows(self.wires[b], self.dp.s.replicas,
+                                           self.dp.shard_axes)
+    # sliced before the bucket's parameters are used: else XLA may slice just before the
+    # backward re-gather and keep the whole gathered wire alive through the forward pass
+    members = [i for i in self.dp.members[b] if i in self.gathered]
+    self.secondary[b], values = lax.optimization_barrier(
+        (secondary, [self.gathered[i] for i in members]))
+    self.gathered.update(zip(members, values))
 
   def drop_secondary(self, b):
     del self.secondary[b]
@@ -304,9 +314,11 @@ class _State:
     grads = [self.full_grads.pop(i, None) for i in members]
     grads = [jnp.zeros(e.shape, self.dp.reduce_dtype(i)) if g is None else
              g.astype(self.dp.reduce_dtype(i)) for i, g, e in zip(members, grads, entries)]
+    grads = collectives.after(grads, self.last_collective)
     chunks = collectives.reduce_scatter_bucket(grads, entries, self.dp.n, self.dp.storage_axes,
                                                self.dp.wire_dtype(members[0]),
                                                self.dp.mean_over, self.dp.reduce_quantization(b))
+    self.last_collective = chunks[-1]
     for i, chunk in zip(members, chunks):
       self.add_shard_grad(self.dp.storage_of[i], chunk)
 
@@ -355,8 +367,9 @@ class _State:
   def forward_loop(self, k):
     loop = self.dp.loops[k]
     outs, self.vjps[k] = loop.forward(loop.stacked_shards(self), loop.input_values(self),
-                                      self.anchor)
+                                      self._loop_tie())
     self.env.update(zip(loop.outputs, outs))
+    self.last_collective = outs or self.last_collective  # after every collective inside
     if outs:
       self.anchor = outs[0]
 
@@ -372,7 +385,8 @@ class _State:
         ct = jnp.zeros(aval.shape, aval.dtype)
       ct_outs.append(ct)
     ct_inputs, grads = loop.backward(loop.stacked_shards(self), self.vjps.pop(k), ct_outs,
-                                     self.anchor)
+                                     self._loop_tie())
+    self.last_collective = grads or self.last_collective
     for a, ct in loop.input_cotangents(ct_inputs):
       if a in self.dp.chains:  # a parameter (view): trained ones get the gradient
         if ir.has_gradient(self.dp.s.params[self.dp.chains[a][0]]):
@@ -385,6 +399,13 @@ class _State:
     for i, ct in loop.stacked_param_cotangents(ct_inputs):  # rolled persistent stacks
       if ir.has_gradient(self.dp.s.params[i]):  # kept stacked until averaged
         self.stacked_grads[self.dp.storage_of[i]] = ct
+
+  def _loop_tie(self):
+    """What a loop's first collectives are ordered after: the last activation (or
+    cotangent) and the last collective before the loop."""
+    if self.last_collective is None:
+      return self.anchor
+    return self.last_collective if self.anchor is None else (self.anchor, self.last_collective)
 
   # ---- backward --------------------------------------------------------------------------
   def start_backward(self, loss_id, loss):
@@ -426,7 +447,9 @@ class _State:
     """pmean over the data axes; on one device nothing to reduce (no collective at all)."""
     if self.dp.s.data_parallel_size == 1 or not jax.tree.leaves(tree):
       return tree
-    return lax.pmean(tree, self.dp.data_axes)
+    out = lax.pmean(collectives.after(tree, self.last_collective), self.dp.data_axes)
+    self.last_collective = out
+    return out
 
   def average_extra(self, tree):
     """New non-parameter state (e.g. batch statistics): floats averaged over devices."""
