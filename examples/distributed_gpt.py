@@ -39,6 +39,8 @@ p.add_argument("--hsdp", action="store_true", help="shard over the devices of a 
                "replicate across processes (2 x 4 in one process)")
 p.add_argument("--hpz", action="store_true", help="hpZ on the --hsdp mesh: storage over both "
                "axes, backward re-gathers within a process")
+p.add_argument("--offload", action="store_true", help="optimizer offload (fp32 masters and "
+               "adam state in host memory), the update streamed in sub-groups")
 p.add_argument("--out", default=None)
 args = p.parse_args()
 if not joined:
@@ -53,7 +55,8 @@ loss_fn = make_loss_fn(model)
 two_axes = args.hsdp or args.hpz
 config = zjax.ZeroConfig(param_persistence_threshold=256,
                          replicate_axes=("data",) if two_axes else (),
-                         secondary_partition=args.hpz)
+                         secondary_partition=args.hpz,
+                         sub_group_size=2000 if args.offload else 10**9)
 if two_axes:  # one row per process: the data axis crosses processes, fsdp stays inside
   nodes = max(jax.process_count(), 2)
   mesh = jax.make_mesh((nodes, jax.device_count() // nodes), ("data", "fsdp"))
@@ -63,7 +66,8 @@ tokens0 = jax.ShapeDtypeStruct((batch_size, cfg.seq_len + 1), jnp.int32)
 shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, cfg.seq_len), jnp.int32))
 schedule = zjax.compile_schedule(loss_fn, shapes, {"tokens": tokens0}, mesh=mesh,
                                  config=config)
-trainer = zjax.zero3(loss_fn, optax.adamw(1e-2, eps=1e-6), schedule, mesh=mesh)
+trainer = zjax.zero3(loss_fn, optax.adamw(1e-2, eps=1e-6), schedule, mesh=mesh,
+                     offload_optimizer=args.offload)
 if args.restore:
   state = zjax.CheckpointManager(args.restore, trainer).restore()
 else:

@@ -2,7 +2,7 @@
 without `zero3(..., offload_optimizer=True)`, fp32 and bf16 compute (the bench GPT, adamw,
 8 simulated devices; step times interleaved, median of rounds; CPU: indicative only).
 
-  python examples/offload_memory.py [--layers 8] [--rounds 5]
+  python examples/offload_memory.py [--layers 8] [--rounds 5] [--sub-group-size 25000]
 """
 
 import argparse
@@ -25,20 +25,25 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--layers", type=int, default=8)
   parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--sub-group-size", type=int, default=25_000,
+                      help="elements per device per sub-group of the streamed runs")
   args = parser.parse_args()
   model = gpt_model(args.layers, 128, 16)
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
   runs = {}
+  modes = {"": (False, None), " offloaded": (True, None),
+           " offl. streamed": (True, args.sub_group_size)}
   for precision, dtype in (("fp32", None), ("bf16", jnp.bfloat16)):
-    config = zjax.ZeroConfig(**{**model.config.__dict__, "compute_dtype": dtype})
-    schedule = zjax.compile_schedule(model.loss_fn, model.params, model.batch, mesh=mesh,
-                                     config=config)
-    for offloaded in (False, True):
+    for mode, (offloaded, group) in modes.items():
+      config = zjax.ZeroConfig(**{**model.config.__dict__, "compute_dtype": dtype,
+                                  "sub_group_size": group or model.config.sub_group_size})
+      schedule = zjax.compile_schedule(model.loss_fn, model.params, model.batch, mesh=mesh,
+                                       config=config)
       trainer = zjax.zero3(model.loss_fn, optax.adamw(1e-3), schedule, mesh=mesh,
                            offload_optimizer=offloaded)
       box = [trainer.init(model.params)]
       box[0], _ = trainer.step(box[0], model.batch)  # compile
-      runs[precision, offloaded] = (trainer, box, [])
+      runs[precision, mode] = (trainer, box, [])
   params = sum(x.size for x in jax.tree.leaves(model.params))
   for _ in range(args.rounds):  # interleaved: A B C D A B C D ...
     for trainer, box, times in runs.values():
@@ -49,13 +54,15 @@ def main():
       times.append((time.perf_counter() - start) / 2)
   print(f"GPT {args.layers} layers, {params:,} parameters, 8 devices; per device: bytes per "
         f"parameter / N (device, host) and step time")
-  print(f"{'run':<18} {'device B/param/N':>17} {'host B/param/N':>15} {'step ms':>8} {'vs on-device':>12}")
-  for (precision, offloaded), (trainer, box, times) in runs.items():
+  print(f"{'run':<20} {'device B/param/N':>17} {'host B/param/N':>15} {'sub-groups':>10} "
+        f"{'step ms':>8} {'vs on-device':>12}")
+  for (precision, mode), (trainer, box, times) in runs.items():
     state = (box[0].params, box[0].opt_state, box[0].masters)
     per = lambda kind: zjax.per_device_bytes(state, kind) * 8 / params  # noqa: E731
-    base = statistics.median(runs[precision, False][2])
-    print(f"{precision + (' offloaded' if offloaded else ''):<18} {per('device'):>17.2f} "
-          f"{per('pinned_host'):>15.2f} {statistics.median(times) * 1e3:>8.1f} "
+    base = statistics.median(runs[precision, ""][2])
+    groups = trainer.offload_plan["sub_groups"] if trainer.offload_plan else "-"
+    print(f"{precision + mode:<20} {per('device'):>17.2f} {per('pinned_host'):>15.2f} "
+          f"{groups:>10} {statistics.median(times) * 1e3:>8.1f} "
           f"{statistics.median(times) / base:>12.2f}")
 
 

@@ -9,7 +9,6 @@ axis_name on the full batch: synchronised statistics must equal full-batch stati
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest

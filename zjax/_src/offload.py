@@ -4,14 +4,13 @@ device keeps what the step reads: the parameter shards in the compute dtype (bf1
 bf16 compute) and, while the step runs, the gradient shards.
 
 The update runs on the device: inside the step the masters and the optimizer state move to
-the device, optax updates them, and they move back (24 bytes per fp32 parameter / N each
-way with adam), so the device holds them while it updates. Updating on the host instead
-(`compute_on("device_host")`, DeepSpeed's CPU Adam) would move only the gradients and the
-new parameter copies, but in jax 0.10.2 a host computation must not create arrays (they
-are device arrays, and mixing memory spaces is an error), which optax transforms do
-(`clip_by_global_norm` makes zeros for the imaginary part): measured, not built. Streaming
-the update sub-group by sub-group, so that the device holds one group's state at a time,
-is not built either.
+the device, optax updates them, and they move back (12 bytes per fp32 parameter / N each
+way with adam), one sub-group after another (offload_stream.py), so the device holds about
+two sub-groups' state at a time. Updating on the host instead (`compute_on("device_host")`,
+DeepSpeed's CPU Adam) would move only the gradients and the new parameter copies, but in
+jax 0.10.2 a host computation must not create arrays (they are device arrays, and mixing
+memory spaces is an error), which optax transforms do (`clip_by_global_norm` makes zeros
+for the imaginary part): measured, not built.
 """
 
 import jax

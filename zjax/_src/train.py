@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 # No public dead-code elimination in JAX; this is the one jit applies.
 from jax._src.interpreters import partial_eval as pe
 
-from zjax._src import ir, layout, offload, optcheck
+from zjax._src import ir, layout, offload, offload_stream, optcheck
 from zjax._src.errors import ZjaxError
 from zjax._src.execute import is_key, value_and_grad
 
@@ -44,6 +44,8 @@ class Zero3(NamedTuple):
   abstract_state: Callable  # (extra=None) -> TrainState of ShapeDtypeStructs with shardings
   schedule: Any  # the schedule it runs
   mesh: Any  # the mesh it runs on
+  offload_plan: dict | None = None  # offload_optimizer: predicted device / host bytes and
+  #                                   the update stream's sub-groups (offload_stream.predicted)
 
 
 class NonFiniteError(FloatingPointError):
@@ -72,8 +74,10 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
       is not finite and reports it in metrics; "raise" also raises `NonFiniteError`.
     offload_optimizer: ZeRO-Offload (DeepSpeed ``offload_optimizer.device = cpu``): the
       fp32 master shards (`TrainState.masters`) and the optimizer state live in host
-      memory ("pinned_host") and the update runs on the host; the device keeps parameter
-      copies in the compute dtype (`TrainState.params`) and the gradients (offload.py).
+      memory ("pinned_host"); the device keeps parameter copies in the compute dtype
+      (`TrainState.params`) and the gradients. The update streams sub-group by sub-group
+      (`ZeroConfig.sub_group_size`): each group's masters and state move to the device, are
+      updated and move back (offload.py, offload_stream.py); `offload_plan` predicts it.
 
   Example:
     >>> trainer = zjax.zero3(loss_fn, optax.adamw(1e-3), schedule, mesh=mesh)  # doctest: +SKIP
@@ -135,10 +139,11 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
                        masters=masters)
     return _on_mesh(state, mesh)
 
-  def update(grads, opt_state, params, finite):
-    """(new params, new optimizer state): optax on the shards, unchanged unless `finite`."""
+  def update(grads, opt_state, params, finite, groups=sub_groups):
+    """(new params, new optimizer state): optax on the shards, unchanged unless `finite`;
+    the additions of `groups` only (offloaded: the stream passes one group at a time)."""
     updates, new_opt = masked_opt.update(grads, opt_state, params)
-    new_params = _apply_by_sub_group(params, updates, sub_groups)
+    new_params = _apply_by_sub_group(params, updates, groups)
     keep = lambda n, o: jnp.where(finite, n, o)  # noqa: E731
     return jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_opt, opt_state)
 
@@ -149,11 +154,10 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
     grad_norm = optax.tree.norm(_select(grads, trainable_leaves))
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     masters = state.masters
-    if offload_optimizer:  # the state to the device, the update, the state back to the host
-      masters, opt_state = update(grads, offload.to_space(state.opt_state, "device"),
-                                  offload.to_space(state.masters, "device"), finite)
-      params = offload.device_copies(masters, schedule)
-      masters, opt_state = offload.to_space((masters, opt_state), "host")
+    if offload_optimizer:  # each sub-group's state to the device, updated, back to the host
+      masters, opt_state, params = offload_stream.streamed_update(
+          update, grads, state.opt_state, state.masters, state.params, sub_groups, finite,
+          offload.copy_dtypes(schedule))
     else:
       params, opt_state = update(grads, state.opt_state, state.params, finite)
     keep = lambda n, o: jnp.where(finite, n, o)  # noqa: E731
@@ -218,7 +222,9 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
         masters=masters)
 
   return Zero3(init=init, init_from=init_from, step=step, gather_params=gather_params,
-               abstract_state=abstract_state, schedule=schedule, mesh=mesh)
+               abstract_state=abstract_state, schedule=schedule, mesh=mesh,
+               offload_plan=offload_stream.predicted(schedule, sub_groups)
+               if offload_optimizer else None)
 
 
 def _opt_state_shardings(opt_shapes, schedule, mesh, on_host=False):
@@ -361,16 +367,17 @@ def plan_sub_groups(schedule) -> list[list[int]]:
 
 
 def _apply_by_sub_group(params, updates, sub_groups):
-  """p + u for trained leaves, one sub-group after another: each group's inputs are tied to
-  the previous group's results, so the fused element-wise update work runs group by group
-  (DeepSpeed's sub_group_size) instead of all at once."""
+  """p + u for the leaves of `sub_groups`, one group after another: each group's inputs are
+  tied to the previous group's results, so the fused element-wise update work runs group
+  by group (DeepSpeed's sub_group_size) instead of all at once. The first group's inputs
+  pass a barrier too: each p + u is then its own fusion wherever its group stands (the
+  offloaded stream applies one group per call), so the rounding is the same."""
   leaves, treedef = jax.tree_util.tree_flatten(params)
   update_leaves = jax.tree.leaves(updates)
   out, previous = list(leaves), None
   for group in sub_groups:
     inputs = [(leaves[i], update_leaves[i]) for i in group]
-    if previous is not None:
-      inputs, _ = lax.optimization_barrier((inputs, previous))
+    inputs, _ = lax.optimization_barrier((inputs, previous))
     previous = [optax.apply_updates(p, u) for p, u in inputs]
     for i, value in zip(group, previous):
       out[i] = value

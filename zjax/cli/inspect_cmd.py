@@ -7,10 +7,11 @@ import time
 
 import jax
 
-from zjax._src import comm_model, render
+from zjax._src import comm_model, offload_stream, render
 from zjax._src.config import ZeroConfig
 from zjax._src.plan import plan_schedule, resolve_axis_sizes
 from zjax._src.trace import trace_for_schedule
+from zjax._src.train import plan_sub_groups
 from zjax.cli.target import load_target
 
 _KNOBS = ("prefetch_bucket_size", "max_live_parameters", "max_reuse_distance",
@@ -49,6 +50,8 @@ def add_parser(subparsers) -> None:
   p.add_argument("--json", metavar="FILE", help="write {report, schedule} as JSON to FILE")
   p.add_argument("--save", metavar="FILE", help="write the schedule (loadable JSON) to FILE")
   p.add_argument("--summary", action="store_true", help="print only the report")
+  p.add_argument("--offload-optimizer", action="store_true",
+                 help="also predict optimizer offload's device and host bytes (adam)")
   for knob in _KNOBS:
     p.add_argument("--" + knob.replace("_", "-"), type=float, default=None,
                    help=f"override ZeroConfig.{knob} (elements)")
@@ -83,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
     print(schedule, end="\n\n")
   print(_format_report(report))
   print(f"trace + plan: {seconds:.2f} s")
+  if args.offload_optimizer:
+    print(_format_offload(schedule))
   if layouts:
     links = _links(args.link, sizes)
     print()
@@ -181,6 +186,21 @@ def _config(base: ZeroConfig | None, args) -> ZeroConfig:
     if getattr(args, name) is not None:
       overrides[name] = None if getattr(args, name) == "none" else getattr(args, name)
   return dataclasses.replace(base or ZeroConfig(), **overrides)
+
+
+def _format_offload(schedule) -> str:
+  """zero3(offload_optimizer=True) with adam, per device: what stays on the device, what
+  moves to the host, and the update stream's sub-groups."""
+  plan = offload_stream.predicted(schedule, plan_sub_groups(schedule))
+  size, groups = render.format_bytes, plan["sub_groups"]
+  hint = "" if groups > 1 else "; a smaller ZeroConfig.sub_group_size streams it in groups"
+  return (f"optimizer offload (adam; per device):\n"
+          f"  device: parameter copies (compute dtype)  {size(plan['device_bytes'])}\n"
+          f"  host:   fp32 masters + adam moments       {size(plan['host_bytes'])}\n"
+          f"  update: {groups} sub-group{'s' * (groups != 1)} (sub_group_size "
+          f"{schedule.config.sub_group_size:,} elements per device); the device holds at "
+          f"most {size(plan['stream_device_bytes'])} of their masters and state at once (of "
+          f"{size(plan['whole_state_bytes'])}){hint}")
 
 
 _REPORT_NOTES = {

@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 from rich.table import Table
 
-from zjax._src import ir
+from zjax._src import offload_stream
 from zjax._src.render import format_bytes
+from zjax._src.train import plan_sub_groups
 from zjax.job.corpus import END_OF_TEXT
 
 ADAM_STATE_FACTOR = 2  # adam's mu and nu, each shaped like the parameters
@@ -29,10 +30,11 @@ def plan_table(schedule, num_params: int, param_bytes: int, offloaded: bool = Fa
   table.add_column("zjax (ZeRO-3)", justify="right")
   table.add_column("data parallel", justify="right")
   if offloaded:  # device: parameter copies in the compute dtype; host: masters + adam
-    copies = state * ir.gather_dtype("float32", schedule.config.compute_dtype).itemsize // 4
-    table.add_row("params (device copies)", format_bytes(copies), "-")
-    table.add_row("masters + adam state (host)", format_bytes(state * (1 + ADAM_STATE_FACTOR)),
-                  "-")
+    plan = offload_stream.predicted(schedule, plan_sub_groups(schedule), ADAM_STATE_FACTOR)
+    table.add_row("params (device copies)", format_bytes(plan["device_bytes"]), "-")
+    table.add_row("masters + adam state (host)", format_bytes(plan["host_bytes"]), "-")
+    table.add_row(f"update: {plan['sub_groups']} sub-group(s), on the device at once",
+                  format_bytes(plan["stream_device_bytes"]), "-")
   table.add_row("params + adam state", format_bytes(state * (1 + ADAM_STATE_FACTOR)),
                 format_bytes(param_bytes * (1 + ADAM_STATE_FACTOR)))
   table.add_row("gathered params (peak)", format_bytes(report["peak_live_param_bytes"]), "-")
