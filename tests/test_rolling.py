@@ -478,3 +478,32 @@ def test_odd_mixed_unused_integer_empty_and_cond_leaves_roll(n):
   # bf16 leaves and their gradients round where XLA fuses, which differs inside a loop (one
   # bf16 ulp): bf16 tolerances, as against plain JAX above
   assert_rolled_equals_unrolled(loss, params, batch, config, rtol=2e-2, atol=2e-3)
+
+
+def test_the_bench_model_trains_rolled_on_the_cpu_runtime():
+  """The bench's default GPT (8 layers, d_model 128), rolled, 3 adamw steps like optax. A
+  regression test for XLA CPU's collectives: ordering the loop's first gather after the
+  collective before the loop aborted this program in the first step ("Check failed: id <
+  num_threads" in the all-gather rendezvous)."""
+  from zjax.bench.run import gpt_model
+  model = gpt_model(8, 128, 16)
+  mesh = mesh_of(8)
+  schedule = zjax.compile_schedule(model.loss_fn, model.params, model.batch, mesh=mesh,
+                                   config=model.config)
+  assert rolled_lengths(schedule) == [8]
+  trainer = zjax.zero3(model.loss_fn, ADAMW, schedule, mesh=mesh)
+  state, losses = trainer.init(model.params), []
+  for _ in range(3):
+    state, metrics = trainer.step(state, model.batch)
+    losses.append(float(metrics["loss"]))
+  @jax.jit
+  def reference_step(params, opt_state):
+    loss, grads = jax.value_and_grad(model.loss_fn)(params, model.batch)
+    updates, opt_state = ADAMW.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  params, opt_state, want = model.params, ADAMW.init(model.params), []
+  for _ in range(3):
+    params, opt_state, loss = reference_step(params, opt_state)
+    want.append(float(loss))
+  np.testing.assert_allclose(losses, want, rtol=1e-5)

@@ -367,7 +367,7 @@ class _State:
   def forward_loop(self, k):
     loop = self.dp.loops[k]
     outs, self.vjps[k] = loop.forward(loop.stacked_shards(self), loop.input_values(self),
-                                      self._loop_tie())
+                                      self.anchor)
     self.env.update(zip(loop.outputs, outs))
     self.last_collective = outs or self.last_collective  # after every collective inside
     if outs:
@@ -385,7 +385,7 @@ class _State:
         ct = jnp.zeros(aval.shape, aval.dtype)
       ct_outs.append(ct)
     ct_inputs, grads = loop.backward(loop.stacked_shards(self), self.vjps.pop(k), ct_outs,
-                                     self._loop_tie())
+                                     self.anchor)
     self.last_collective = grads or self.last_collective
     for a, ct in loop.input_cotangents(ct_inputs):
       if a in self.dp.chains:  # a parameter (view): trained ones get the gradient
@@ -399,13 +399,6 @@ class _State:
     for i, ct in loop.stacked_param_cotangents(ct_inputs):  # rolled persistent stacks
       if ir.has_gradient(self.dp.s.params[i]):  # kept stacked until averaged
         self.stacked_grads[self.dp.storage_of[i]] = ct
-
-  def _loop_tie(self):
-    """What a loop's first collectives are ordered after: the last activation (or
-    cotangent) and the last collective before the loop."""
-    if self.last_collective is None:
-      return self.anchor
-    return self.last_collective if self.anchor is None else (self.anchor, self.last_collective)
 
   # ---- backward --------------------------------------------------------------------------
   def start_backward(self, loss_id, loss):
