@@ -4,6 +4,7 @@ for the packing). `axes` are mesh axis names (a tuple spans several, row-major).
 `quantization` (quantize.py; None: exact): ZeRO++ qwZ for gathers (the wire is each
 device's int8 values and scales), qgZ for gradients (an all-to-all of quantized chunks)."""
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -11,13 +12,16 @@ from zjax._src import layout, quantize
 
 
 def after(x, previous):
-  """x, ordered after `previous` (the last collective's result; None: no order).
+  """x, ordered after `previous` (the last collective's result; None: no order), on CPU.
 
-  One device's collectives run one after another: XLA's CPU runtime may otherwise run two
-  independent collectives of a device at once, and with optimization barriers kept (the
-  CPU flags of DESIGN.md) their rendezvous then mixed up participants (aborts, or NaNs,
-  on rolled GQA and quantized programs). GPUs issue collectives in order on one stream."""
-  if previous is None:
+  XLA's CPU runtime runs one device's independent collectives concurrently, and its
+  in-process collectives then mixed up participants or data with optimization barriers
+  kept (the CPU flags of DESIGN.md): rendezvous aborts and NaNs on rolled GQA and quantized
+  programs. Chaining each collective after the previous one's whole result avoided them
+  (a one-element slice of it did not); it holds that result a little longer, which costs
+  an unrolled model temp memory (the bench GPT: 13.1 -> 18.2 MiB). GPUs issue collectives
+  in order on one stream: no chain there."""
+  if previous is None or jax.default_backend() != "cpu":
     return x
   x, _ = lax.optimization_barrier((x, previous))
   return x
