@@ -180,7 +180,6 @@ def _whole_update(update, grads, opt_state, masters, finite, copy_dtypes):
   return new_m, new_o, copies
 
 
-
 def predicted(schedule, groups, state_factor: int = 2) -> dict:
   """The offloaded step's bytes per device, from the schedule: the device copies (compute
   dtype), the host's masters and optimizer state (`state_factor` fp32 values per trained
