@@ -6,7 +6,10 @@ import os
 import pathlib
 import sys
 
-# zjax.cli.devices.CPU_ORDERING_FLAGS (not imported: importing zjax first is not needed here)
+# zjax.cli.devices.CPU_ORDERING_FLAGS (not imported: importing zjax first is not needed here),
+# and XLA's concurrency-optimized CPU scheduler off: with it, the rolled GQA model of
+# tests/real_models.py aborted in a collective rendezvous on 4 devices (devices.py says
+# why the commands keep it on). Subprocesses inherit these flags.
 _FLAGS = ("--xla_disable_hlo_passes=cse_barrier_expander",
           "--xla_cpu_copy_insertion_use_region_analysis=true",
           "--xla_cpu_enable_concurrency_optimized_scheduler=false")
