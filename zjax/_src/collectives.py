@@ -18,9 +18,10 @@ def after(x, previous):
   in-process collectives then mixed up participants or data with optimization barriers
   kept (the CPU flags of DESIGN.md): rendezvous aborts and NaNs on rolled GQA and quantized
   programs. Chaining each collective after the previous one's whole result avoided them
-  (a one-element slice of it did not); it holds that result a little longer, which costs
-  an unrolled model temp memory (the bench GPT: 13.1 -> 18.2 MiB). GPUs issue collectives
-  in order on one stream: no chain there."""
+  (a one-element slice of it did not); it holds that result a little longer, which under
+  the tests' CPU scheduler costs an unrolled model temp memory (the bench GPT: 13.1 -> 18.2
+  MiB; none under XLA's default one). GPUs issue collectives in order on one stream: no
+  chain there."""
   if previous is None or jax.default_backend() != "cpu":
     return x
   x, _ = lax.optimization_barrier((x, previous))
