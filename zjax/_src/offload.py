@@ -49,11 +49,11 @@ def copy_dtypes(schedule) -> list:
           for leaf in schedule.storage]
 
 
-def device_copies(masters, schedule):
-  """The device copies (values, not placement) of the master storage leaves."""
+def device_copies(masters, dtypes):
+  """The device copies (values, not placement) of the master storage leaves, in `dtypes`
+  (copy_dtypes)."""
   leaves, treedef = jax.tree.flatten(masters)
-  return jax.tree.unflatten(treedef, [x.astype(d) for x, d in
-                                      zip(leaves, copy_dtypes(schedule))])
+  return jax.tree.unflatten(treedef, [x.astype(d) for x, d in zip(leaves, dtypes)])
 
 
 def to_space(tree, space: str):

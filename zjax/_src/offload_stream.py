@@ -174,8 +174,7 @@ def streamed_update(update, grads, opt_state, masters, copies, groups, finite, c
 def _whole_update(update, grads, opt_state, masters, finite, copy_dtypes):
   new_m, new_o = update(grads, offload.to_space(opt_state, "device"),
                         offload.to_space(masters, "device"), finite)
-  leaves, treedef = tree_flatten(new_m)
-  copies = tree_unflatten(treedef, [x.astype(d) for x, d in zip(leaves, copy_dtypes)])
+  copies = offload.device_copies(new_m, copy_dtypes)
   new_m, new_o = offload.to_space((new_m, new_o), "host")
   return new_m, new_o, copies
 

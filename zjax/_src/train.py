@@ -124,8 +124,9 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
     masters = None
     if offload_optimizer:  # masters to the host, device copies in the compute dtype
       masters = offload.place(sharded, _like(sharded, leaf_shardings), offload.HOST)
-      sharded = jax.jit(lambda m: offload.device_copies(m, schedule), out_shardings=_like(
-          sharded, leaf_shardings))(sharded)
+      dtypes = offload.copy_dtypes(schedule)
+      sharded = jax.jit(lambda m: offload.device_copies(m, dtypes),
+                        out_shardings=_like(sharded, leaf_shardings))(sharded)
     with jax.set_mesh(mesh):  # optax creates unsharded scalars: Explicit meshes need context
       # explicit output shardings: on Auto axes jit would otherwise replicate the moments
       base = sharded if masters is None else masters
