@@ -41,6 +41,8 @@ p.add_argument("--hpz", action="store_true", help="hpZ on the --hsdp mesh: stora
                "axes, backward re-gathers within a process")
 p.add_argument("--offload", action="store_true", help="optimizer offload (fp32 masters and "
                "adam state in host memory), the update streamed in sub-groups")
+p.add_argument("--offload-params", action="store_true", help="with --offload: the parameter "
+               "copies in host memory too (ZeRO-Infinity)")
 p.add_argument("--out", default=None)
 args = p.parse_args()
 if not joined:
@@ -67,7 +69,7 @@ shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, cfg.seq_len
 schedule = zjax.compile_schedule(loss_fn, shapes, {"tokens": tokens0}, mesh=mesh,
                                  config=config)
 trainer = zjax.zero3(loss_fn, optax.adamw(1e-2, eps=1e-6), schedule, mesh=mesh,
-                     offload_optimizer=args.offload)
+                     offload_optimizer=args.offload, offload_params=args.offload_params)
 if args.restore:
   state = zjax.CheckpointManager(args.restore, trainer).restore()
 else:

@@ -2,7 +2,7 @@
 2 processes x 4 devices train like 1 process x 8, checkpoints cross process counts, a
 process with another model fails fast, a dead process stops the run within the timeout.
 Each run is a subprocess (a process joins jax.distributed once); offloaded optimizer state
-works across processes too."""
+and parameters work across processes too."""
 
 import json
 import pathlib
@@ -43,8 +43,9 @@ def assert_params(a, b, rtol, atol):
 def test_hsdp_across_two_processes_equals_one_process_and_flat(tmp_path, layout):
   """Replicate axis across processes (one per "node"), shard axis inside each (hpZ: storage
   over both, backward re-gathers inside a process). The HSDP processes offload the
-  optimizer (streamed in sub-groups), which changes nothing in the numbers."""
-  offload = ("--offload",) if layout == "--hsdp" else ()
+  optimizer (streamed in sub-groups), the hpZ ones the parameters too, which changes
+  nothing in the numbers."""
+  offload = ("--offload",) + (("--offload-params",) if layout == "--hpz" else ())
   two = launch(layout, *offload, "--steps", "3", "--out", str(tmp_path / "two.json"))
   assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
   one = single(layout, "--steps", "3", "--out", str(tmp_path / "one.json"))

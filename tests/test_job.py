@@ -108,6 +108,7 @@ def test_resume_with_another_model_fails_clearly(tmp_path):
     (["--precision", "fp8"], "invalid choice: 'fp8'"),
     (["--reduce-quantization", "int2"], "invalid choice: 'int2'"),
     (["--quantization-block", "0"], "quantization_block must be a positive integer"),
+    (["--offload-params"], "offload_params needs offload_optimizer"),
 ])
 def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, args, message):
   done = zjax_cli("train", *args, cwd=tmp_path)

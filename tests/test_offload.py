@@ -1,7 +1,9 @@
 """Optimizer offload (ZeRO-Offload): fp32 masters and optimizer state in host memory
-("pinned_host"), the update on the host, parameter copies in the compute dtype on the
-device. Bitwise equal to training without offload; the arrays' memory kinds and per-device
-bytes as predicted; checkpoints across offloaded and not; bad input."""
+("pinned_host"), updated on the device sub-group by sub-group, parameter copies in the
+compute dtype on the device, or with parameter offload (ZeRO-Infinity) on the host, each
+brought to the device by its gather. Bitwise equal to training without offload; the
+arrays' memory kinds and per-device bytes as predicted; checkpoints across offloaded and
+not; bad input."""
 
 import contextlib
 import dataclasses
@@ -13,19 +15,31 @@ import numpy as np
 import optax
 import pytest
 from helpers import mesh_of
-from test_rolling import ADAMW, ROLL, gpt
+from test_rolling import ADAMW, ROLL, UNROLL, gpt
 
 import zjax
 from zjax._src import offload, offload_stream
 from zjax._src.train import plan_sub_groups
 
 BF16 = dataclasses.replace(ROLL, compute_dtype=jnp.bfloat16)
+HPZ = dataclasses.replace(ROLL, replicate_axes=("data",), secondary_partition=True)
+PARAM_OFFLOAD_CASES = {  # devices, config, mesh
+    "fp32-4-subgroups": (4, dataclasses.replace(ROLL, sub_group_size=500), None),
+    "bf16-8-subgroups": (8, dataclasses.replace(BF16, sub_group_size=3000), None),
+    "fp32-8-unrolled-qwz": (8, dataclasses.replace(UNROLL, gather_quantization="int8"), None),
+    "hpz-2x4": (8, HPZ, ((2, 4), ("data", "fsdp"))),
+}
 
 
-def _run(config, n, offload_optimizer, steps=5, optimizer=ADAMW, batch=None, **kw):
+def _mesh(n, shape):
+  return mesh_of(n) if shape is None else jax.make_mesh(*shape)
+
+
+def _run(config, n, offload_optimizer, steps=5, optimizer=ADAMW, batch=None, mesh=None,
+         **kw):
   loss, params, default_batch = gpt(2)
   batch = default_batch if batch is None else batch
-  mesh = mesh_of(n)
+  mesh = mesh or mesh_of(n)
   schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=config)
   trainer = zjax.zero3(loss, optimizer, schedule, mesh=mesh,
                        offload_optimizer=offload_optimizer, **kw)
@@ -34,6 +48,17 @@ def _run(config, n, offload_optimizer, steps=5, optimizer=ADAMW, batch=None, **k
     state, metrics = trainer.step(state, batch)
     losses.append(float(metrics["loss"]))
   return trainer, state, losses
+
+
+_PLAIN_RUNS = {}
+
+
+def _plain_run(config, n, shape=None):
+  """_run without offload (5 default steps), shared by the tests that compare with it."""
+  key = (config, n, shape)
+  if key not in _PLAIN_RUNS:
+    _PLAIN_RUNS[key] = _run(config, n, False, mesh=_mesh(n, shape))
+  return _PLAIN_RUNS[key]
 
 
 def assert_bitwise(a, b):
@@ -50,7 +75,7 @@ def test_offloaded_training_equals_training_on_the_device(n, config):
   device copies in the compute dtype. Per device: 12 bytes per fp32 parameter / N without
   offload (parameter, adam's two moments), 4 (fp32) or 2 (bf16 copies) on the device with
   it, the 12 in host memory."""
-  plain, plain_state, plain_losses = _run(config, n, False)
+  plain, plain_state, plain_losses = _plain_run(config, n)
   trainer, state, losses = _run(config, n, True)
   assert losses == plain_losses
   assert_bitwise(trainer.gather_params(state), plain.gather_params(plain_state))
@@ -71,20 +96,105 @@ def test_offloaded_training_equals_training_on_the_device(n, config):
   assert zjax.per_device_bytes(offloaded, "pinned_host") == pytest.approx(3 * share, rel=1e-3)
 
 
+@pytest.mark.parametrize("case", PARAM_OFFLOAD_CASES)
+def test_offloaded_params_train_like_the_device(case):
+  """offload_params (ZeRO-Infinity): the parameter copies live in host memory too, and the
+  device holds no parameter or optimizer bytes between steps. 5 adamw steps bitwise equal
+  to training on the device: rolled and unrolled, bf16 compute, qwZ, hpZ, sub-groups."""
+  n, config, shape = PARAM_OFFLOAD_CASES[case]
+  plain, plain_state, plain_losses = _plain_run(config, n, shape)
+  trainer, state, losses = _run(config, n, True, mesh=_mesh(n, shape), offload_params=True)
+  assert losses == plain_losses
+  assert_bitwise(trainer.gather_params(state), plain.gather_params(plain_state))
+  assert_bitwise(state.opt_state, plain_state.opt_state)
+  everything = (state.params, state.opt_state, state.masters)
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(everything)} == {"pinned_host"}
+  assert zjax.per_device_bytes(everything, "device") == 0
+  plan = trainer.offload_plan
+  assert plan["device_bytes"] == 0 and plan["params_on_host"]
+  share = trainer.schedule.report()["state_bytes_per_device"]  # fp32 shards + replicated
+  copies = share * jnp.dtype(config.compute_dtype or jnp.float32).itemsize // 4
+  measured = zjax.per_device_bytes(everything, "pinned_host")
+  assert measured == pytest.approx(3 * share + copies, rel=1e-3)
+  assert 0 < measured - plan["host_bytes"] <= 16  # + the optimizer's step counts
+
+
+def _moves_from_the_host(jaxpr, times=1, found=None):
+  """(bytes moved host -> device, times their loops run; for every all-gather: whether its
+  operand was moved from the host after an optimization barrier) in a traced program."""
+  found = found if found is not None else {"bytes": 0, "gathers": []}
+  made_by = {v: e for e in jaxpr.eqns for v in e.outvars}
+
+  def from_host_after_barrier(var, seen):
+    eqn = made_by.get(var)
+    if eqn is None or id(eqn) in seen:
+      return False
+    seen.add(id(eqn))
+    if eqn.primitive.name == "device_put" and _is_host(eqn.invars[0]):
+      source = made_by.get(eqn.invars[0])
+      return source is not None and source.primitive.name == "optimization_barrier"
+    if eqn.primitive.name == "optimization_barrier":  # identity, position by position
+      return from_host_after_barrier(eqn.invars[eqn.outvars.index(var)], seen)
+    return any(from_host_after_barrier(v, seen) for v in eqn.invars
+               if not isinstance(v, jax.extend.core.Literal))
+
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "device_put" and _is_host(eqn.invars[0]):
+      found["bytes"] += times * sum(v.aval.size * v.aval.dtype.itemsize for v in eqn.outvars)
+    if eqn.primitive.name == "all_gather":
+      found["gathers"].append(from_host_after_barrier(eqn.invars[0], set()))
+    for inner in jax.extend.core.jaxprs_in_params(eqn.params):
+      _moves_from_the_host(getattr(inner, "jaxpr", inner),
+                           times * eqn.params.get("length", 1), found)
+  return found
+
+
+def _is_host(var):
+  return getattr(var.aval, "memory_space", None) == jax.memory.Space.Host
+
+
+@pytest.mark.parametrize("case", ["fp32-4-subgroups", "bf16-8-subgroups",
+                                  "fp32-8-unrolled-qwz"])
+def test_each_gather_brings_its_shards_from_the_host(case):
+  """Given shards in host memory, the executor moves each bucket's shards to the device
+  where the schedule gathers it (after the barrier that ties the gather to the step before
+  it, so the schedule's prefetch covers the copy), and the persistent leaves once: the
+  bytes moved per step are the plan's param_transfer_bytes. The gradients are the same
+  bits as from shards on the device. (CPU compiles the moves away, so this is checked on
+  the traced program.)"""
+  n, config, _ = PARAM_OFFLOAD_CASES[case]
+  loss, params, batch = gpt(2)
+  mesh = mesh_of(n)
+  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=config)
+  on_device = zjax.shard(params, schedule, mesh)
+  dtypes = [jnp.dtype(x.dtype) if not jnp.issubdtype(x.dtype, jnp.floating) else
+            jnp.dtype(config.compute_dtype or x.dtype) for x in jax.tree.leaves(on_device)]
+  on_device = offload.device_copies(on_device, dtypes)
+  on_host = jax.tree.map(lambda x: jax.device_put(x, offload.with_kind(x.sharding, offload.HOST)),
+                         on_device)
+  step = zjax.value_and_grad(loss, schedule, mesh=mesh)
+  found = _moves_from_the_host(jax.make_jaxpr(step)(on_host, batch).jaxpr)
+  assert found["gathers"] and all(found["gathers"])
+  assert found["bytes"] == offload_stream.param_transfer_bytes(schedule) > 0
+  assert not _moves_from_the_host(jax.make_jaxpr(step)(on_device, batch).jaxpr)["bytes"]
+  assert_bitwise(step(on_host, batch), step(on_device, batch))
+
+
 def test_clipping_accumulation_and_nonfinite_steps_offloaded():
   loss, params, _ = gpt(2)
   batch = {"tokens": jax.random.randint(jax.random.key(3), (16, 17), 0, 257)}
   opt = optax.chain(optax.clip_by_global_norm(0.1), ADAMW)
-  runs = [_run(ROLL, 8, off, steps=2, optimizer=opt, batch=batch, accumulation_steps=2)
-          for off in (False, True)]
-  assert runs[0][2] == runs[1][2]
-  assert_bitwise(runs[0][0].gather_params(runs[0][1]), runs[1][0].gather_params(runs[1][1]))
-  trainer, state, _ = runs[1]
-  bad = {"tokens": batch["tokens"].at[0, 0].set(10_000)}  # out of vocabulary: nan loss
-  before = jax.tree.map(np.asarray, (state.masters, state.opt_state, state.params))
-  state, metrics = trainer.step(state, bad)
-  assert not bool(metrics["finite"]) and int(state.step) == 2
-  assert_bitwise((state.masters, state.opt_state, state.params), before)
+  runs = [_run(ROLL, 8, off, steps=2, optimizer=opt, batch=batch, accumulation_steps=2,
+               offload_params=params) for off, params in ((False, False), (True, False),
+                                                          (True, True))]
+  for trainer, state, losses in runs[1:]:
+    assert losses == runs[0][2]
+    assert_bitwise(trainer.gather_params(state), runs[0][0].gather_params(runs[0][1]))
+    bad = {"tokens": batch["tokens"].at[0, 0].set(10_000)}  # out of vocabulary: nan loss
+    before = jax.tree.map(np.asarray, (state.masters, state.opt_state, state.params))
+    state, metrics = trainer.step(state, bad)
+    assert not bool(metrics["finite"]) and int(state.step) == 2
+    assert_bitwise((state.masters, state.opt_state, state.params), before)
   raising = zjax.zero3(*gpt(2)[:1], opt, trainer.schedule, mesh=trainer.mesh,
                        offload_optimizer=True, on_nonfinite="raise")
   with pytest.raises(zjax.NonFiniteError):
@@ -97,7 +207,8 @@ def test_checkpoints_move_between_offloaded_and_not(tmp_path):
   loss, params, batch = gpt(2)
   trainers = {(n, off): zjax.zero3(loss, ADAMW, zjax.compile_schedule(
       loss, params, batch, mesh=mesh_of(n), config=BF16), mesh=mesh_of(n),
-      offload_optimizer=off) for n, off in ((8, True), (4, False), (4, True))}
+      offload_optimizer=bool(off), offload_params=off == "params")
+      for n, off in ((8, True), (4, False), (4, True), (4, "params"))}
   state, _ = trainers[8, True].step(trainers[8, True].init(params), batch)
   with zjax.CheckpointManager(tmp_path / "a", trainers[8, True]) as ckpt:
     ckpt.save(1, state)
@@ -112,9 +223,22 @@ def test_checkpoints_move_between_offloaded_and_not(tmp_path):
   assert_bitwise(back.masters, plain.params)
   assert_bitwise(back.opt_state, plain.opt_state)
   assert offload.bytes_by_kind(back.params) == {"device": zjax.per_device_bytes(back.params)}
+  copies = jax.tree.map(np.asarray, back.params)  # (the steps donate their states)
   _, m1 = trainers[4, False].step(plain, batch)
   _, m2 = trainers[4, True].step(back, batch)
   assert float(m1["loss"]) == float(m2["loss"])
+  # parameter offload: restored into host memory, saved from it, back to the device
+  hosted = zjax.CheckpointManager(tmp_path / "b").restore(trainers[4, "params"])
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(
+      (hosted.params, hosted.masters, hosted.opt_state))} == {"pinned_host"}
+  assert_bitwise(hosted.params, copies)
+  hosted, m3 = trainers[4, "params"].step(hosted, batch)
+  assert float(m3["loss"]) == float(m1["loss"])
+  with zjax.CheckpointManager(tmp_path / "c", trainers[4, "params"]) as ckpt:
+    ckpt.save(2, hosted)
+  again = zjax.CheckpointManager(tmp_path / "c").restore(trainers[8, True])
+  assert_bitwise(trainers[8, True].gather_params(again),
+                 trainers[4, "params"].gather_params(hosted))
 
 
 def test_bad_input():
@@ -123,6 +247,10 @@ def test_bad_input():
   schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=ROLL)
   with pytest.raises(ValueError, match="offload_optimizer must be True or False"):
     zjax.zero3(loss, ADAMW, schedule, mesh=mesh, offload_optimizer="cpu")
+  with pytest.raises(ValueError, match="offload_params must be True or False"):
+    zjax.zero3(loss, ADAMW, schedule, mesh=mesh, offload_optimizer=True, offload_params=1)
+  with pytest.raises(ValueError, match="offload_params=True needs offload_optimizer=True"):
+    zjax.zero3(loss, ADAMW, schedule, mesh=mesh, offload_params=True)
   no_host = types.SimpleNamespace(platform="tpu", addressable_memories=lambda: [
       types.SimpleNamespace(kind="device")])
   fake_mesh = types.SimpleNamespace(devices=np.array([no_host]))

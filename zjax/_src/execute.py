@@ -26,7 +26,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from zjax._src import collectives, ir, layout, roll
+from zjax._src import collectives, ir, layout, offload, roll
 from zjax._src import segments as seg_lib
 from zjax._src.execute_loop import Loop
 from zjax._src.execute_rolled import RolledLoop
@@ -221,8 +221,9 @@ class _State:
     self.stored = list(shard_leaves)  # this device's part of each storage leaf
     # parameter index -> its local shard (or whole value, if persistent); rolled layers are
     # read from their stacks by the loop (stack_of)
-    self.shards = {leaf.members[0]: x for leaf, x in zip(dp.s.storage, shard_leaves)
-                   if not leaf.rolled}
+    # (offload_params: persistent leaves come to the device at once, sharded ones by gather)
+    self.shards = {leaf.members[0]: offload.on_device(x) if leaf.entry.persistent else x
+                   for leaf, x in zip(dp.s.storage, shard_leaves) if not leaf.rolled}
     self.env: dict[int, Any] = dict(dp.consts)
     num_params = len(dp.s.params)
     self.env.update(zip(dp.program.input_ids[num_params:], batch_leaves))
@@ -270,16 +271,21 @@ class _State:
   def gather(self, b, phase: str):
     members = self.dp.members[b]
     entries = [self.dp.s.params[i] for i in members]
-    chunks = [self.shards[i].astype(self.dp.compute_dtype(i)) for i in members]
+    chunks = [self.shards[i] for i in members]
     if phase == "backward" and self.dp.secondary_partition:  # hpZ: from the secondary
       secondary = self.secondary[b]
       if self.anchor is not None:
         secondary, _ = lax.optimization_barrier((secondary, self.anchor))
       wire = collectives.gather_from_secondary(
           collectives.after(secondary, self.last_collective), self.dp.shard_axes)
+      chunks = [jax.ShapeDtypeStruct(x.shape, self.dp.compute_dtype(i))  # (for unpacking)
+                for i, x in zip(members, chunks)]
     else:
       if self.anchor is not None:
         chunks, _ = lax.optimization_barrier((chunks, self.anchor))
+      # offload_params: each shard comes from the host here, where the schedule gathers
+      chunks = [offload.on_device(x).astype(self.dp.compute_dtype(i))
+                for i, x in zip(members, chunks)]
       wire, _ = collectives.gather_wire(collectives.after(chunks, self.last_collective),
                                         self.dp.gather_axes(phase),
                                         self.dp.gather_quantization(b, phase))

@@ -26,7 +26,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 from jax import lax
 
-from zjax._src import collectives, ir, layout, loops, quantize
+from zjax._src import collectives, ir, layout, loops, offload, quantize
 from zjax._src import segments as seg_lib
 
 
@@ -67,9 +67,9 @@ class Loop:
             for j, a in enumerate(self.inputs)]
 
   def stacked_shards(self, state) -> dict:
-    """param index -> this device's stacked shard [L, c] in the compute dtype."""
-    return {i: state.shards[i].astype(self.dp.compute_dtype(i))
-            for b in self.buckets for i in self.dp.members[b]}
+    """param index -> this device's stacked shard [L, c] as stored (offload_params: in host
+    memory; each layer's row is moved to the device and cast when it is gathered)."""
+    return {i: state.shards[i] for b in self.buckets for i in self.dp.members[b]}
 
   def input_cotangents(self, ct_inputs) -> list:
     """(value id, cotangent) of every input that received one."""
@@ -124,7 +124,8 @@ class Loop:
     for b in self.buckets:
       members = self.dp.members[b]
       entries = [layout.layer_entry(self.dp.s.params[i]) for i in members]
-      chunks = [shard_rows[i] for i in members]
+      chunks = [offload.on_device(shard_rows[i]).astype(self.dp.compute_dtype(i))
+                for i in members]
       quantization = self.dp.gather_quantization(b, phase)
       if from_secondary:
         wire = collectives.gather_from_secondary(collectives.after(secondary[b], wire),
@@ -142,7 +143,8 @@ class Loop:
     """bucket -> zeros for every layer's secondary shard [L, R, W] (W: the wire length)."""
     out = {}
     for b in self.secondary:
-      rows = [shards[i][0] for i in self.dp.members[b]]
+      rows = [jax.ShapeDtypeStruct(shards[i].shape[1:], self.dp.compute_dtype(i))
+              for i in self.dp.members[b]]
       quantization = self.dp.gather_quantization(b, "forward")
       wire = jax.eval_shape(lambda r: layout.to_wire(jnp.concatenate(r)) if quantization is None
                             else quantize.pack(jnp.concatenate(r), quantization), rows)

@@ -10,6 +10,7 @@ run's layer order.
 
 import jax.numpy as jnp
 
+from zjax._src import offload
 from zjax._src import segments as seg_lib
 from zjax._src.errors import ScheduleMismatchError
 from zjax._src.execute_loop import Loop
@@ -50,14 +51,13 @@ class RolledLoop(Loop):
              jnp.zeros(self.dp.program.avals[o].shape, self.dp.program.avals[o].dtype)
              for a, o in zip(self.run.carry_in, self.run.outputs)]
     xs = [jnp.asarray(v) for v in self.run.xs]
-    xs += [self._stack(state, self.run.stacked[p][0]) for p in self.replicated]
+    xs += [offload.on_device(state.stack_of(i0)).astype(self.dp.compute_dtype(i0))
+           for i0 in (self.run.stacked[p][0] for p in self.replicated)]
     return consts + carry + xs
 
   def stacked_shards(self, state) -> dict:
-    return {i0: self._stack(state, i0) for b in self.buckets for i0 in self.dp.members[b]}
-
-  def _stack(self, state, i0):
-    return state.stack_of(i0).astype(self.dp.compute_dtype(i0))
+    """layer 0's index -> the stacked shard [L, c] as stored (see Loop.stacked_shards)."""
+    return {i0: state.stack_of(i0) for b in self.buckets for i0 in self.dp.members[b]}
 
   def input_cotangents(self, ct_inputs) -> list:
     return [(a, ct) for a, ct in zip(self.inputs, ct_inputs[:self.first_xs])

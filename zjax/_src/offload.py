@@ -56,6 +56,14 @@ def device_copies(masters, dtypes):
   return jax.tree.unflatten(treedef, [x.astype(d) for x, d in zip(leaves, dtypes)])
 
 
+def on_device(x):
+  """x in device memory: moved there (inside jit or shard_map) if it lives on the host
+  (offload_params: the executor moves each shard just before its gather)."""
+  if jax.typeof(x).memory_space == jax.memory.Space.Host:
+    return jax.device_put(x, jax.memory.Space.Device)
+  return x
+
+
 def to_space(tree, space: str):
   """Every leaf moved (inside jit) to device or host memory, keeping its sharding."""
   target = jax.memory.Space.Device if space == "device" else jax.memory.Space.Host

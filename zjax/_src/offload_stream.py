@@ -21,7 +21,7 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
-from zjax._src import ir, offload
+from zjax._src import ir, offload, report
 
 ANY, SHARED = "any", "shared"  # input classes: gradients / finite, state shared by all groups
 
@@ -109,11 +109,13 @@ def _paths(tree):
   return [keystr(path) for path, _ in tree_flatten_with_path(tree)[0]]
 
 
-def streamed_update(update, grads, opt_state, masters, copies, groups, finite, copy_dtypes):
-  """(new masters on the host, new optimizer state on the host, new device copies): the
-  offloaded update, sub-group by sub-group. `update(grads, opt_state, masters, finite,
-  groups)` is the whole-tree update applying the additions of `groups` (default: all);
-  `copies` the device copies (compute dtype) of `masters`."""
+def streamed_update(update, grads, opt_state, masters, copies, groups, finite, copy_dtypes,
+                    copies_kind=offload.DEVICE):
+  """(new masters on the host, new optimizer state on the host, new parameter copies in
+  `copies_kind` memory (offload_params: the host)): the offloaded update, sub-group by
+  sub-group. `update(grads, opt_state, masters, finite, groups)` is the whole-tree update
+  applying the additions of `groups` (default: all); `copies` the parameter copies
+  (compute dtype) of `masters`."""
   m_leaves, m_def = tree_flatten(masters)
   o_leaves, o_def = tree_flatten(opt_state)
   c_leaves = jax.tree.leaves(copies)
@@ -122,17 +124,17 @@ def streamed_update(update, grads, opt_state, masters, copies, groups, finite, c
   owners = state_owners(opt_state, masters)
   state_group = [None if o is None else group_of.get(o) for o in owners]
   if len(groups) <= 1:
-    return _whole_update(update, grads, opt_state, masters, finite, copy_dtypes)
+    return _whole_update(update, grads, opt_state, masters, finite, copy_dtypes, copies_kind)
   reason = separable(update, grads, opt_state, masters, finite, state_group, master_group)
   if reason is not None:
     warnings.warn(f"offload_optimizer: the optimizer step moves the whole state at once, "
                   f"not sub-group by sub-group: {reason}.", stacklevel=2)
-    return _whole_update(update, grads, opt_state, masters, finite, copy_dtypes)
+    return _whole_update(update, grads, opt_state, masters, finite, copy_dtypes, copies_kind)
 
   shared = [j for j, g in enumerate(state_group) if g is None]
   shared_dev = offload.to_space([o_leaves[j] for j in shared], "device")
   # placeholders (device, right shape, sharding and dtype); their work is dead code
-  m_in = [c.astype(m.dtype) for c, m in zip(c_leaves, m_leaves)]
+  m_in = [offload.on_device(c).astype(m.dtype) for c, m in zip(c_leaves, m_leaves)]
   o_in = [None] * len(o_leaves)
   for j, shared_leaf in zip(shared, shared_dev):
     o_in[j] = shared_leaf
@@ -157,8 +159,11 @@ def streamed_update(update, grads, opt_state, masters, copies, groups, finite, c
     out_m, out_o = tree_flatten(out_m)[0], tree_flatten(out_o)[0]
     results = ([out_m[i] for i in group], [out_o[j] for j in mine])
     done.append(results)
-    for i, x in zip(group, results[0]):
-      new_c[i] = x.astype(copy_dtypes[i])
+    new_copies = [x.astype(copy_dtypes[i]) for i, x in zip(group, results[0])]
+    if copies_kind == offload.HOST:
+      new_copies = offload.to_space(new_copies, "host")
+    for i, x in zip(group, new_copies):
+      new_c[i] = x
     back_m, back_o = offload.to_space(results, "host")
     for i, x in zip(group, back_m):
       new_m[i] = x
@@ -171,28 +176,53 @@ def streamed_update(update, grads, opt_state, masters, copies, groups, finite, c
           tree_unflatten(m_def, new_c))
 
 
-def _whole_update(update, grads, opt_state, masters, finite, copy_dtypes):
+def _whole_update(update, grads, opt_state, masters, finite, copy_dtypes, copies_kind):
   new_m, new_o = update(grads, offload.to_space(opt_state, "device"),
                         offload.to_space(masters, "device"), finite)
   copies = offload.device_copies(new_m, copy_dtypes)
+  if copies_kind == offload.HOST:
+    copies = offload.to_space(copies, "host")
   new_m, new_o = offload.to_space((new_m, new_o), "host")
   return new_m, new_o, copies
 
 
-def predicted(schedule, groups, state_factor: int = 2) -> dict:
-  """The offloaded step's bytes per device, from the schedule: the device copies (compute
-  dtype), the host's masters and optimizer state (`state_factor` fp32 values per trained
-  parameter: adam's two moments), and the most optimizer state the stream holds on the
-  device at once (two consecutive sub-groups' masters + state)."""
+def predicted(schedule, groups, state_factor: int = 2, params_on_host: bool = False) -> dict:
+  """The offloaded step's bytes per device, from the schedule: the parameter copies
+  (compute dtype; on the device, or with `params_on_host` (offload_params) on the host),
+  the host's masters and optimizer state (`state_factor` fp32 values per trained parameter:
+  adam's two moments), and the most optimizer state the stream holds on the device at once
+  (two consecutive sub-groups' masters + state); with `params_on_host`, the bytes the
+  gathers bring from the host per step (`param_transfer_bytes`)."""
   n, compute = schedule.num_devices, schedule.config.compute_dtype
   local = [ir.local_elements(leaf.entry, n) for leaf in schedule.storage]
   dtypes = [jnp.dtype(leaf.entry.dtype) for leaf in schedule.storage]
   group_bytes = [sum(local[i] for i in group) * 4 * (1 + state_factor) for group in groups]
   pairs = [a + b for a, b in zip(group_bytes, group_bytes[1:])] or group_bytes or [0]
   trained = sum(local[i] for group in groups for i in group)
-  return {"device_bytes": sum(e * ir.gather_dtype(d, compute).itemsize
-                              for e, d in zip(local, dtypes)),
-          "host_bytes": sum(e * d.itemsize for e, d in zip(local, dtypes)) +
-                        trained * 4 * state_factor,
+  copies = sum(e * ir.gather_dtype(d, compute).itemsize for e, d in zip(local, dtypes))
+  host = sum(e * d.itemsize for e, d in zip(local, dtypes)) + trained * 4 * state_factor
+  return {"device_bytes": 0 if params_on_host else copies,
+          "host_bytes": host + (copies if params_on_host else 0),
+          "params_on_host": params_on_host,
+          "param_transfer_bytes": param_transfer_bytes(schedule) if params_on_host else 0,
           "sub_groups": len(groups), "stream_device_bytes": max(pairs),
           "whole_state_bytes": sum(group_bytes)}
+
+
+def param_transfer_bytes(schedule) -> int:
+  """Bytes per device that offload_params moves from the host to the device in one step:
+  each executed gather's bucket shards (hpZ's backward gathers read the device's secondary
+  shards instead) and, once, the persistent leaves; all in the compute dtype."""
+  n, config = schedule.num_devices, schedule.config
+  elements = schedule.bucket_elements()
+  total = 0
+  for phase, steps in (("forward", schedule.forward), ("backward", schedule.backward)):
+    if phase == "backward" and config.secondary_partition:
+      continue
+    for st in report.executed_steps(steps):
+      if st.op == "gather":
+        dtype = ir.gather_dtype(schedule.buckets[st.bucket].dtype, config.compute_dtype)
+        total += elements[st.bucket] // n * dtype.itemsize
+  return total + sum(ir.local_elements(leaf.entry, n) *
+                     ir.gather_dtype(leaf.entry.dtype, config.compute_dtype).itemsize
+                     for leaf in schedule.storage if leaf.entry.persistent)

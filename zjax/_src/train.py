@@ -32,6 +32,7 @@ class TrainState(NamedTuple):
   opt_state: Any  # optax state over the trainable leaves of the sharded layout
   extra: Any = None  # non-parameter state (e.g. batch statistics), replicated
   masters: Any = None  # offload_optimizer: the fp32 master shards, in host memory
+  #                      (offload_params: `params` too)
 
 
 class Zero3(NamedTuple):
@@ -59,7 +60,7 @@ class NonFiniteError(FloatingPointError):
 
 def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, *, mesh,
           accumulation_steps: int = 1, on_nonfinite: str = "skip",
-          offload_optimizer: bool = False) -> Zero3:
+          offload_optimizer: bool = False, offload_params: bool = False) -> Zero3:
   """A ZeRO-3 trainer for `loss_fn(params, batch) -> scalar` running `schedule` on `mesh`.
 
   Args:
@@ -78,6 +79,12 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
       (`TrainState.params`) and the gradients. The update streams sub-group by sub-group
       (`ZeroConfig.sub_group_size`): each group's masters and state move to the device, are
       updated and move back (offload.py, offload_stream.py); `offload_plan` predicts it.
+    offload_params: ZeRO-Infinity's parameter offload (DeepSpeed ``offload_param.device =
+      cpu``; needs offload_optimizer): the parameter copies (`TrainState.params`) live in
+      host memory too; each gather step moves its bucket's shards to the device just
+      before the all-gather, so the schedule's prefetch covers that copy, and persistent
+      (replicated) leaves move at the step's start. Between steps the device then holds no
+      parameter or optimizer bytes.
 
   Example:
     >>> trainer = zjax.zero3(loss_fn, optax.adamw(1e-3), schedule, mesh=mesh)  # doctest: +SKIP
@@ -86,8 +93,7 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
   """
   _check_args(optimizer, accumulation_steps, on_nonfinite)
   layout.check_mesh(schedule, mesh)
-  if not isinstance(offload_optimizer, bool):
-    raise ValueError(f"offload_optimizer must be True or False, got {offload_optimizer!r}.")
+  _check_offload(offload_optimizer, offload_params)
   if offload_optimizer:
     offload.check_host_memory(mesh)
   trainable = _trainable_fn(schedule)
@@ -116,6 +122,8 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
     return _state_from(build(*args), extra)
 
   leaf_shardings = offload.leaf_shardings(schedule, mesh)
+  copies_kind = offload.HOST if offload_params else offload.DEVICE
+  copy_shardings = [offload.with_kind(s, copies_kind) for s in leaf_shardings]
 
   def _state_from(sharded, extra) -> TrainState:
     optcheck.check_optimizer(optimizer, schedule, mesh, jax.tree_util.tree_structure(sharded),
@@ -126,7 +134,7 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
       masters = offload.place(sharded, _like(sharded, leaf_shardings), offload.HOST)
       dtypes = offload.copy_dtypes(schedule)
       sharded = jax.jit(lambda m: offload.device_copies(m, dtypes),
-                        out_shardings=_like(sharded, leaf_shardings))(sharded)
+                        out_shardings=_like(sharded, copy_shardings))(sharded)
     with jax.set_mesh(mesh):  # optax creates unsharded scalars: Explicit meshes need context
       # explicit output shardings: on Auto axes jit would otherwise replicate the moments
       base = sharded if masters is None else masters
@@ -158,7 +166,7 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
     if offload_optimizer:  # each sub-group's state to the device, updated, back to the host
       masters, opt_state, params = offload_stream.streamed_update(
           update, grads, state.opt_state, state.masters, state.params, sub_groups, finite,
-          offload.copy_dtypes(schedule))
+          offload.copy_dtypes(schedule), copies_kind)
     else:
       params, opt_state = update(grads, state.opt_state, state.params, finite)
     keep = lambda n, o: jnp.where(finite, n, o)  # noqa: E731
@@ -212,8 +220,9 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
     if offload_optimizer:
       masters = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
           x.shape, x.dtype, sharding=offload.with_kind(x.sharding, offload.HOST)), params)
-      params = jax.tree.map(lambda x, d: jax.ShapeDtypeStruct(x.shape, d, sharding=x.sharding),
-                            params, _like(params, offload.copy_dtypes(schedule)))
+      params = jax.tree.map(lambda x, d, s: jax.ShapeDtypeStruct(x.shape, d, sharding=s),
+                            params, _like(params, offload.copy_dtypes(schedule)),
+                            _like(params, copy_shardings))
     return TrainState(
         step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params=params,
         opt_state=jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -224,7 +233,8 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
 
   return Zero3(init=init, init_from=init_from, step=step, gather_params=gather_params,
                abstract_state=abstract_state, schedule=schedule, mesh=mesh,
-               offload_plan=offload_stream.predicted(schedule, sub_groups)
+               offload_plan=offload_stream.predicted(schedule, sub_groups,
+                                                     params_on_host=offload_params)
                if offload_optimizer else None)
 
 
@@ -447,6 +457,18 @@ def _trainable_fn(schedule):
 
 def _select(tree, mask):
   return [x for x, m in zip(jax.tree.leaves(tree), jax.tree.leaves(mask)) if m]
+
+
+def _check_offload(offload_optimizer, offload_params):
+  for name, value in (("offload_optimizer", offload_optimizer),
+                      ("offload_params", offload_params)):
+    if not isinstance(value, bool):
+      raise ValueError(f"{name} must be True or False, got {value!r}.")
+  if offload_params and not offload_optimizer:
+    raise ValueError("offload_params=True needs offload_optimizer=True: the parameter copies "
+                     "are made from the fp32 masters that optimizer offload keeps on the host "
+                     "(DeepSpeed's ZeRO-Infinity offloads both). Pass offload_optimizer=True "
+                     "as well, or offload_params=False.")
 
 
 def _check_args(optimizer, accumulation_steps, on_nonfinite):

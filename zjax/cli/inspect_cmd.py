@@ -52,6 +52,9 @@ def add_parser(subparsers) -> None:
   p.add_argument("--summary", action="store_true", help="print only the report")
   p.add_argument("--offload-optimizer", action="store_true",
                  help="also predict optimizer offload's device and host bytes (adam)")
+  p.add_argument("--offload-params", action="store_true",
+                 help="as --offload-optimizer, with the parameter copies in host memory too "
+                      "(zero3(offload_optimizer=True, offload_params=True))")
   for knob in _KNOBS:
     p.add_argument("--" + knob.replace("_", "-"), type=float, default=None,
                    help=f"override ZeroConfig.{knob} (elements)")
@@ -86,8 +89,8 @@ def run(args: argparse.Namespace) -> int:
     print(schedule, end="\n\n")
   print(_format_report(report))
   print(f"trace + plan: {seconds:.2f} s")
-  if args.offload_optimizer:
-    print(_format_offload(schedule))
+  if args.offload_optimizer or args.offload_params:
+    print(_format_offload(schedule, args.offload_params))
   if layouts:
     links = _links(args.link, sizes)
     print()
@@ -188,15 +191,23 @@ def _config(base: ZeroConfig | None, args) -> ZeroConfig:
   return dataclasses.replace(base or ZeroConfig(), **overrides)
 
 
-def _format_offload(schedule) -> str:
+def _format_offload(schedule, params_on_host=False) -> str:
   """zero3(offload_optimizer=True) with adam, per device: what stays on the device, what
-  moves to the host, and the update stream's sub-groups."""
-  plan = offload_stream.predicted(schedule, plan_sub_groups(schedule))
+  moves to the host, and the update stream's sub-groups (`params_on_host`: offload_params
+  too, the parameter copies on the host, each brought to the device by its gather)."""
+  plan = offload_stream.predicted(schedule, plan_sub_groups(schedule),
+                                  params_on_host=params_on_host)
   size, groups = render.format_bytes, plan["sub_groups"]
   hint = "" if groups > 1 else "; a smaller ZeroConfig.sub_group_size streams it in groups"
-  return (f"optimizer offload (adam; per device):\n"
-          f"  device: parameter copies (compute dtype)  {size(plan['device_bytes'])}\n"
-          f"  host:   fp32 masters + adam moments       {size(plan['host_bytes'])}\n"
+  if params_on_host:
+    where = (f"  device: nothing between steps; each gather brings its bucket's shards\n"
+             f"  host:   parameter copies + fp32 masters + adam moments  "
+             f"{size(plan['host_bytes'])}\n")
+  else:
+    where = (f"  device: parameter copies (compute dtype)  {size(plan['device_bytes'])}\n"
+             f"  host:   fp32 masters + adam moments       {size(plan['host_bytes'])}\n")
+  title = "parameter and optimizer offload" if params_on_host else "optimizer offload"
+  return (f"{title} (adam; per device):\n" + where +
           f"  update: {groups} sub-group{'s' * (groups != 1)} (sub_group_size "
           f"{schedule.config.sub_group_size:,} elements per device); the device holds at "
           f"most {size(plan['stream_device_bytes'])} of their masters and state at once (of "

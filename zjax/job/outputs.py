@@ -17,7 +17,8 @@ from zjax.job.corpus import END_OF_TEXT
 ADAM_STATE_FACTOR = 2  # adam's mu and nu, each shaped like the parameters
 
 
-def plan_table(schedule, num_params: int, param_bytes: int, offloaded: bool = False) -> Table:
+def plan_table(schedule, num_params: int, param_bytes: int, offloaded: bool = False,
+               params_on_host: bool = False) -> Table:
   """Predicted per-device state and communication per step: zjax vs plain data parallel
   (replicated params, grads and adam state). Communication as ring traffic: an all-gather
   or reduce-scatter moves about its buffer, an all-reduce twice its buffer."""
@@ -30,9 +31,14 @@ def plan_table(schedule, num_params: int, param_bytes: int, offloaded: bool = Fa
   table.add_column("zjax (ZeRO-3)", justify="right")
   table.add_column("data parallel", justify="right")
   if offloaded:  # device: parameter copies in the compute dtype; host: masters + adam
-    plan = offload_stream.predicted(schedule, plan_sub_groups(schedule), ADAM_STATE_FACTOR)
-    table.add_row("params (device copies)", format_bytes(plan["device_bytes"]), "-")
-    table.add_row("masters + adam state (host)", format_bytes(plan["host_bytes"]), "-")
+    plan = offload_stream.predicted(schedule, plan_sub_groups(schedule), ADAM_STATE_FACTOR,
+                                    params_on_host)
+    if params_on_host:
+      table.add_row("params + masters + adam state (host)", format_bytes(plan["host_bytes"]),
+                    "-")
+    else:
+      table.add_row("params (device copies)", format_bytes(plan["device_bytes"]), "-")
+      table.add_row("masters + adam state (host)", format_bytes(plan["host_bytes"]), "-")
     table.add_row(f"update: {plan['sub_groups']} sub-group(s), on the device at once",
                   format_bytes(plan["stream_device_bytes"]), "-")
   table.add_row("params + adam state", format_bytes(state * (1 + ADAM_STATE_FACTOR)),

@@ -35,7 +35,7 @@ def train(settings, console: Console) -> dict:
                 f"{len(data.train):,} train / {len(data.validation):,} validation bytes")
   model, loss_fn, trainer, param_count, param_bytes = _setup(settings, mesh)
   console.print(outputs.plan_table(trainer.schedule, param_count, param_bytes,
-                                   settings.offload_optimizer))
+                                   settings.offload_optimizer, settings.offload_params))
 
   settings.checkpoint_dir.mkdir(parents=True, exist_ok=True)
   ckpt = zjax.CheckpointManager(settings.checkpoint_dir, trainer, max_to_keep=2)
@@ -129,7 +129,8 @@ def _setup(settings, mesh):
   optimizer = optax.chain(optax.clip_by_global_norm(1.0),
                           optax.adamw(lr, weight_decay=settings.weight_decay))
   trainer = zjax.zero3(loss_fn, optimizer, schedule, mesh=mesh,
-                       offload_optimizer=settings.offload_optimizer)
+                       offload_optimizer=settings.offload_optimizer,
+                       offload_params=settings.offload_params)
   leaves = jax.tree.leaves(shapes)
   count = sum(int(np.prod(x.shape)) for x in leaves)
   return model, loss_fn, trainer, count, sum(int(np.prod(x.shape)) * x.dtype.itemsize

@@ -26,6 +26,7 @@ class TrainSettings:
   reduce_quantization: str = "none"  # or "int8", "int4": ZeRO++ qgZ
   quantization_block: int = 256  # values per scale (ZeroConfig.quantization_block)
   offload_optimizer: bool = False  # fp32 masters and adam state in host memory (zero3)
+  offload_params: bool = False  # the parameter copies in host memory too (ZeRO-Infinity)
   # run
   devices: int = 8  # simulated CPU devices (or the first N accelerators)
   steps: int = 300
@@ -66,6 +67,9 @@ class TrainSettings:
       if getattr(self, name) not in known:
         raise SettingsError(f"{name} must be one of {list(known)}, got "
                             f"{getattr(self, name)!r}.")
+    if self.offload_params and not self.offload_optimizer:
+      raise SettingsError("offload_params needs offload_optimizer: pass --offload-optimizer "
+                          "with --offload-params (or set both in the config file).")
     if not (isinstance(self.lr, (int, float)) and self.lr > 0):
       raise SettingsError(f"lr must be a positive number, got {self.lr!r}.")
     if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
@@ -99,6 +103,9 @@ HELP = {  # what each setting does (the flags' help)
     "quantization_block": "values per float32 scale for both quantizations",
     "offload_optimizer": "ZeRO-Offload: fp32 master shards and adam state in host memory "
                          "(pinned_host), parameter copies in the compute dtype on the device",
+    "offload_params": "ZeRO-Infinity parameter offload (with --offload-optimizer): the "
+                      "parameter copies in host memory too, each moved to the device by its "
+                      "gather",
     "devices": "simulated CPU devices, or the first N accelerators",
     "steps": "optimizer steps in all (a resumed run continues up to this step)",
     "batch": "global batch in sequences (a multiple of --devices)",
