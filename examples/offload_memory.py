@@ -1,6 +1,7 @@
-"""Optimizer offload: per-device state in device and host memory, and step time, with and
-without `zero3(..., offload_optimizer=True)`, fp32 and bf16 compute (the bench GPT, adamw,
-8 simulated devices; step times interleaved, median of rounds; CPU: indicative only).
+"""Optimizer and parameter offload: per-device state in device and host memory, and step
+time, with and without `zero3(..., offload_optimizer=True)` and `offload_params=True`, fp32
+and bf16 compute (the bench GPT, adamw, 8 simulated devices; step times interleaved, median
+of rounds; CPU: indicative only).
 
   python examples/offload_memory.py [--layers 8] [--rounds 5] [--sub-group-size 25000]
 """
@@ -31,16 +32,17 @@ def main():
   model = gpt_model(args.layers, 128, 16)
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
   runs = {}
-  modes = {"": (False, None), " offloaded": (True, None),
-           " offl. streamed": (True, args.sub_group_size)}
+  modes = {"": (False, None, False), " offloaded": (True, None, False),
+           " offl. streamed": (True, args.sub_group_size, False),
+           " + params": (True, args.sub_group_size, True)}
   for precision, dtype in (("fp32", None), ("bf16", jnp.bfloat16)):
-    for mode, (offloaded, group) in modes.items():
+    for mode, (offloaded, group, params_too) in modes.items():
       config = zjax.ZeroConfig(**{**model.config.__dict__, "compute_dtype": dtype,
                                   "sub_group_size": group or model.config.sub_group_size})
       schedule = zjax.compile_schedule(model.loss_fn, model.params, model.batch, mesh=mesh,
                                        config=config)
       trainer = zjax.zero3(model.loss_fn, optax.adamw(1e-3), schedule, mesh=mesh,
-                           offload_optimizer=offloaded)
+                           offload_optimizer=offloaded, offload_params=params_too)
       box = [trainer.init(model.params)]
       box[0], _ = trainer.step(box[0], model.batch)  # compile
       runs[precision, mode] = (trainer, box, [])

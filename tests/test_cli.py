@@ -49,6 +49,29 @@ def test_inspect_save_and_knob_overrides(capsys, tmp_path):
   assert s.config.prefetch_bucket_size == 0 and s.report()["all_gather_count"] == 0
 
 
+def test_inspect_predicts_offload(capsys, tmp_path):
+  """--offload-optimizer / --offload-params: the device and host bytes per device and the
+  update stream, as the trainer's offload_plan predicts them."""
+  from zjax._src import offload_stream
+  from zjax._src.render import format_bytes
+  from zjax._src.train import plan_sub_groups
+  args = ("inspect", GPT, "--devices", "8", "--summary", "--sub-group-size", "20000",
+          "--save")
+  for flag, on_host in (("--offload-optimizer", False), ("--offload-params", True)):
+    path = str(tmp_path / f"offload-{on_host}.json")
+    code, out, _ = run(capsys, *args, path, flag)
+    assert code == 0
+    schedule = zjax.Schedule.load(path)
+    plan = offload_stream.predicted(schedule, plan_sub_groups(schedule), params_on_host=on_host)
+    assert plan["sub_groups"] > 1 and f"update: {plan['sub_groups']} sub-groups" in out
+    assert format_bytes(plan["host_bytes"]) in out
+    if on_host:
+      assert "parameter and optimizer offload" in out and "nothing between steps" in out
+      assert f"({format_bytes(plan['param_transfer_bytes'])} from the host per step)" in out
+    else:
+      assert f"parameter copies (compute dtype)  {format_bytes(plan['device_bytes'])}" in out
+
+
 @pytest.mark.parametrize("target,message", [
     ("examples/missing.py:f", "does not exist"),
     ("examples/gpt.py:no_such_function", "has no function 'no_such_function'"),

@@ -200,7 +200,8 @@ def _format_offload(schedule, params_on_host=False) -> str:
   size, groups = render.format_bytes, plan["sub_groups"]
   hint = "" if groups > 1 else "; a smaller ZeroConfig.sub_group_size streams it in groups"
   if params_on_host:
-    where = (f"  device: nothing between steps; each gather brings its bucket's shards\n"
+    where = (f"  device: nothing between steps; each gather brings its bucket's shards "
+             f"({size(plan['param_transfer_bytes'])} from the host per step)\n"
              f"  host:   parameter copies + fp32 masters + adam moments  "
              f"{size(plan['host_bytes'])}\n")
   else:
