@@ -383,3 +383,29 @@ def test_dependencies_follow_calls_and_state_owners_follow_paths():
   named = {jax.tree_util.keystr(p): o for (p, _), o in zip(leaves, owners)}
   assert named == {"[0].count": None, "[0].mu['a']": 0, "[0].mu['b']['a']": 1,
                    "[0].nu['a']": 0, "[0].nu['b']['a']": 1}
+
+
+def test_offload_memory_script_runs():
+  """examples/offload_memory.py at tiny size (structure only; its numbers are in the
+  README): every run's bytes per parameter / N, the offloaded ones' masters on the host."""
+  import pathlib
+  import subprocess
+  import sys
+  root = pathlib.Path(__file__).resolve().parents[1]
+  done = subprocess.run([sys.executable, str(root / "examples/offload_memory.py"), "--layers",
+                         "1", "--d-model", "32", "--rounds", "1", "--devices", "4",
+                         "--sub-group-size", "500"], capture_output=True, text=True,
+                        timeout=600)
+  assert done.returncode == 0, done.stderr[-2000:]
+  rows = {line[:20].strip(): line[20:].split() for line in done.stdout.splitlines()[2:]}
+  assert list(rows) == [f"{p}{m}" for p in ("fp32", "bf16") for m in (
+      "", " offloaded", " offl. streamed", " + params")]
+  for precision, copy_bytes in (("fp32", 4), ("bf16", 2)):
+    device, host = (float(x) for x in rows[precision][:2])
+    assert host == 0 and device > 12  # + replicated small leaves, whole on every device
+    device, host = (float(x) for x in rows[f"{precision} offloaded"][:2])
+    assert host > 12 and device == pytest.approx(host * copy_bytes / 12, rel=0.02)
+    device, params_host = (float(x) for x in rows[f"{precision} + params"][:2])
+    assert device == 0 and params_host == pytest.approx(host * (12 + copy_bytes) / 12,
+                                                         rel=0.02)
+    assert int(rows[f"{precision} + params"][2]) > 1  # sub-groups

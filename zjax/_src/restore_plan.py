@@ -22,7 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zjax._src import layout
+from zjax._src import layout, offload
 from zjax._src.errors import ZjaxError
 
 
@@ -261,8 +261,9 @@ def assemble(restored, plans, target, train_step, mesh):
     return state
   shardings = [t.sharding for t in jax.tree.leaves(target.params)]
   dtypes = [t.dtype for t in jax.tree.leaves(target.params)]
-  copies = jax.jit(lambda ms: [m.astype(d) for m, d in zip(ms, dtypes)],
-                   out_shardings=shardings)(jax.tree.leaves(params))
+  # cast on the device (the masters are on the host), placed as the target says
+  cast = lambda ms: [offload.on_device(m).astype(d) for m, d in zip(ms, dtypes)]  # noqa: E731
+  copies = jax.jit(cast, out_shardings=shardings)(jax.tree.leaves(params))
   return state._replace(masters=params, params=jax.tree.unflatten(
       jax.tree.structure(target.params), copies))
 
