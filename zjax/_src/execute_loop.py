@@ -124,13 +124,15 @@ class Loop:
     for b in self.buckets:
       members = self.dp.members[b]
       entries = [layout.layer_entry(self.dp.s.params[i]) for i in members]
-      chunks = [offload.on_device(shard_rows[i]).astype(self.dp.compute_dtype(i))
-                for i in members]
       quantization = self.dp.gather_quantization(b, phase)
       if from_secondary:
         wire = collectives.gather_from_secondary(collectives.after(secondary[b], wire),
                                                  self.dp.shard_axes)
-      else:
+        chunks = [jax.ShapeDtypeStruct(shard_rows[i].shape, self.dp.compute_dtype(i))
+                  for i in members]  # (for unpacking; nothing moves from the host)
+      else:  # offload_params: the layer's rows come from the host here
+        chunks = [offload.on_device(shard_rows[i]).astype(self.dp.compute_dtype(i))
+                  for i in members]
         wire, _ = collectives.gather_wire(collectives.after(chunks, wire),
                                           self.dp.gather_axes(phase), quantization)
         if b in self.secondary:

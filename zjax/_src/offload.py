@@ -51,9 +51,9 @@ def copy_dtypes(schedule) -> list:
 
 def device_copies(masters, dtypes):
   """The device copies (values, not placement) of the master storage leaves, in `dtypes`
-  (copy_dtypes)."""
+  (copy_dtypes), cast on the device (inside jit; masters on the host are moved first)."""
   leaves, treedef = jax.tree.flatten(masters)
-  return jax.tree.unflatten(treedef, [x.astype(d) for x, d in zip(leaves, dtypes)])
+  return jax.tree.unflatten(treedef, [on_device(x).astype(d) for x, d in zip(leaves, dtypes)])
 
 
 def on_device(x):

@@ -133,8 +133,9 @@ def streamed_update(update, grads, opt_state, masters, copies, groups, finite, c
 
   shared = [j for j, g in enumerate(state_group) if g is None]
   shared_dev = offload.to_space([o_leaves[j] for j in shared], "device")
-  # placeholders (device, right shape, sharding and dtype); their work is dead code
-  m_in = [offload.on_device(c).astype(m.dtype) for c, m in zip(c_leaves, m_leaves)]
+  # placeholders (device, right shape, sharding and dtype; made from the gradients, which
+  # are on the device: nothing moves for them); their work is dead code
+  m_in = [g.astype(m.dtype) for g, m in zip(jax.tree.leaves(grads), m_leaves)]
   o_in = [None] * len(o_leaves)
   for j, shared_leaf in zip(shared, shared_dev):
     o_in[j] = shared_leaf

@@ -261,9 +261,8 @@ def assemble(restored, plans, target, train_step, mesh):
     return state
   shardings = [t.sharding for t in jax.tree.leaves(target.params)]
   dtypes = [t.dtype for t in jax.tree.leaves(target.params)]
-  # cast on the device (the masters are on the host), placed as the target says
-  cast = lambda ms: [offload.on_device(m).astype(d) for m, d in zip(ms, dtypes)]  # noqa: E731
-  copies = jax.jit(cast, out_shardings=shardings)(jax.tree.leaves(params))
+  copies = jax.jit(lambda ms: offload.device_copies(ms, dtypes),
+                   out_shardings=shardings)(jax.tree.leaves(params))
   return state._replace(masters=params, params=jax.tree.unflatten(
       jax.tree.structure(target.params), copies))
 
