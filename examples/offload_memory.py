@@ -67,12 +67,14 @@ def main(args):
       times.append((time.perf_counter() - start) / 2)
   print(f"GPT {args.layers} layers, {params:,} parameters, {n} {jax.default_backend()} "
         f"device(s); per device: bytes per "
-        f"parameter / N (device, host) and step time; the compiled step's memory_analysis() "
-        f"in MiB (device temp, device / host arguments; CPU reports no host bytes)")
+        f"parameter / N (device, host) and step time; the step's memory_analysis() as a GPU "
+        f"orders it (zjax.hlo.compile_for_analysis) in MiB (device temp, device / host "
+        f"arguments; CPU reports no host bytes)")
   print(f"{'run':<20} {'device B/param/N':>17} {'host B/param/N':>15} {'sub-groups':>10} "
         f"{'step ms':>8} {'vs on-device':>12} {'temp':>6} {'args':>6} {'host args':>9}")
   for (precision, mode), (trainer, box, times) in runs.items():
-    memory = trainer.step.lower(box[0], model.batch).compile().memory_analysis()
+    memory = zjax.hlo.compile_for_analysis(
+        trainer.step.lower(box[0], model.batch)).memory_analysis()
     mib = lambda name: getattr(memory, name) / 2**20  # noqa: E731
     state = (box[0].params, box[0].opt_state, box[0].masters)
     per = lambda kind: zjax.per_device_bytes(state, kind) * n / params  # noqa: E731

@@ -3,7 +3,7 @@
 Prints, for each N: parameter bytes per device (measured on the arrays, and the schedule's
 prediction), adamw state bytes per device, and the compiled sharded initialisation's
 per-device temp and output bytes (`memory_analysis()`), next to the full model's size.
-On CPU it keeps XLA's optimization barriers (DESIGN.md), as a GPU would.
+The init program is compiled as a GPU orders it (`zjax.hlo.compile_for_analysis`).
 
     python examples/state_memory.py --devices 1 2 4 8
 """
@@ -20,7 +20,7 @@ def main(argv=None) -> int:
   p.add_argument("--d-model", type=int, default=128)
   args = p.parse_args(argv)
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  from devices import setup_devices  # simulated devices, barriers kept on CPU
+  from devices import setup_devices  # simulated CPU devices
   setup_devices(max(args.devices))
   for row in measure(args):
     print(row)
@@ -49,8 +49,8 @@ def measure(args):
                                      config=EXAMPLE_CONFIG)
     trainer = zjax.zero3(loss, optax.adamw(1e-3), schedule, mesh=mesh)
     state = trainer.init_from(model.init, jax.random.key(0), tokens)
-    init = zjax.sharded_init(model.init, schedule, mesh).lower(
-        jax.random.key(0), tokens).compile().memory_analysis()
+    init = zjax.hlo.compile_for_analysis(zjax.sharded_init(model.init, schedule, mesh).lower(
+        jax.random.key(0), tokens)).memory_analysis()
     largest_bucket = max(schedule.bucket_elements(), default=0) * 4
     yield (f"N={n}: params/device {kib(zjax.per_device_bytes(state.params))} (schedule "
            f"{kib(schedule.report()['state_bytes_per_device'])}), adamw state/device "

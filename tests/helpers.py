@@ -15,14 +15,37 @@ def mesh_of(n: int, explicit: bool = True):
   return jax.make_mesh((n,), ("fsdp",), devices=jax.devices()[:n], **kw)
 
 
+class LazyAnalysis:
+  """A step compiled for analysis (zjax.hlo.compile_for_analysis) when first asked: its own
+  compile, which most parity tests never need."""
+
+  def __init__(self, lowered):
+    self._lowered, self._program = lowered, None
+
+  def __getattr__(self, name):
+    if self._program is None:
+      self._program = zjax.hlo.compile_for_analysis(self._lowered)
+    return getattr(self._program, name)
+
+
 def run_zjax(loss_fn, params, batch, *, n=8, config=None, mesh=None):
-  """(schedule, loss, natural-shape grads, compiled step) of zjax on n devices."""
+  """(schedule, loss, natural-shape grads, the step compiled for analysis) of zjax on n
+  devices."""
   mesh = mesh or mesh_of(n)
   schedule = zjax.compile_schedule(loss_fn, params, batch, mesh=mesh, config=config)
   step = zjax.value_and_grad(loss_fn, schedule, mesh=mesh)
   sharded = zjax.shard(params, schedule, mesh)
   loss, grads = step(sharded, batch)
-  return schedule, loss, zjax.unshard(grads, schedule), step.lower(sharded, batch).compile()
+  return schedule, loss, zjax.unshard(grads, schedule), LazyAnalysis(step.lower(sharded, batch))
+
+
+def analyse_zjax(loss_fn, params, batch, *, n=8, config=None):
+  """(schedule, the step compiled for analysis), nothing executed."""
+  mesh = mesh_of(n)
+  schedule = zjax.compile_schedule(loss_fn, params, batch, mesh=mesh, config=config)
+  step = zjax.value_and_grad(loss_fn, schedule, mesh=mesh)
+  lowered = step.lower(zjax.shard(params, schedule, mesh), batch)
+  return schedule, zjax.hlo.compile_for_analysis(lowered)
 
 
 def reference(loss_fn, params, batch):

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import ATOL, RTOL, assert_trees_close, mesh_of
+from helpers import ATOL, RTOL, LazyAnalysis, assert_trees_close, mesh_of
 from real_models import CASES
 
 import zjax
@@ -37,7 +37,7 @@ def run_zjax(case, n, config):
   step = zjax.value_and_grad(case.loss_fn, schedule, mesh=mesh)
   args = _args(case, zjax.shard(case.params, schedule, mesh))
   out, grads = step(*args)
-  return schedule, out, zjax.unshard(grads, schedule), step.lower(*args).compile()
+  return schedule, out, zjax.unshard(grads, schedule), LazyAnalysis(step.lower(*args))
 
 
 def reference(case):

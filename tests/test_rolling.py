@@ -226,15 +226,15 @@ def test_rolled_layers_on_a_two_axis_mesh(layout):
   want, ref = jax.value_and_grad(loss)(params, batch)
   np.testing.assert_allclose(got, want, rtol=1e-5)
   assert_trees_close(zjax.unshard(grads, schedule), ref)
-  compiled = step.lower(zjax.shard(params, schedule, mesh), batch).compile()
+  compiled = hlo.compile_for_analysis(step.lower(zjax.shard(params, schedule, mesh), batch))
   executed, report = hlo.executed(compiled.as_text()), schedule.report()
   for kind in ("all_gather", "reduce_scatter"):
     assert executed[f"{kind}_count"] == report[f"{kind}_count"], kind
   if layout == "hpz":  # every layer's secondary kept: it costs memory, as predicted
     flat = dataclasses.replace(ROLL, shard_axes=("data", "fsdp"))
     flat_schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=flat)
-    flat_temp = zjax.value_and_grad(loss, flat_schedule, mesh=mesh).lower(
-        zjax.shard(params, flat_schedule, mesh), batch).compile().memory_analysis()
+    flat_temp = hlo.compile_for_analysis(zjax.value_and_grad(loss, flat_schedule, mesh=mesh).lower(
+        zjax.shard(params, flat_schedule, mesh), batch)).memory_analysis()
     temp = compiled.memory_analysis().temp_size_in_bytes
     predicted = (report["peak_live_param_bytes"] + report["peak_live_grad_bytes"] +
                  report["secondary_bytes"])
@@ -268,7 +268,8 @@ def _compiled(n_layer, config):
   loss, params, batch = gpt(n_layer)
   schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=config)
   sharded = zjax.shard(params, schedule, mesh)
-  return zjax.value_and_grad(loss, schedule, mesh=mesh).lower(sharded, batch).compile()
+  return hlo.compile_for_analysis(
+      zjax.value_and_grad(loss, schedule, mesh=mesh).lower(sharded, batch))
 
 
 def test_program_does_not_grow_with_depth_and_temp_stays_below_unrolled():

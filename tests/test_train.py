@@ -223,6 +223,28 @@ def test_nonfinite_steps_leave_the_state_unchanged():
   assert bool(metrics["finite"]) and int(state.step) == 1
 
 
+def test_max_consecutive_skips_stops_with_the_last_good_state():
+  """Skips in a row are counted (a finite step resets the count); the K-th raises, naming
+  what to check, with the last good state and the step's metrics."""
+  loss, params, batch = mlp(num_layers=2)
+  bad = {**batch, "x": batch["x"].at[0, 0].set(jnp.inf)}
+  mesh = mesh_of(8)
+  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=SHARD_ALL)
+  trainer = zjax.zero3(loss, optax.adam(1e-2), schedule, mesh=mesh, max_consecutive_skips=3)
+  state = trainer.init(params)
+  for b in (bad, bad, batch, bad, bad):  # never 3 in a row
+    state, metrics = trainer.step(state, b)
+  assert int(state.step) == 1
+  good = jax.tree.map(np.asarray, trainer.gather_params(state))
+  with pytest.raises(zjax.NonFiniteError, match="3 steps in a row.*learning rate") as e:
+    trainer.step(state, bad)
+  assert int(e.value.state.step) == 1 and not bool(e.value.metrics["finite"])
+  assert_trees_close(trainer.gather_params(e.value.state), good, rtol=0, atol=0)
+  for wrong in (0, -1, True, 2.5, "3"):
+    with pytest.raises(ValueError, match="max_consecutive_skips"):
+      zjax.zero3(loss, optax.adam(1e-2), schedule, mesh=mesh, max_consecutive_skips=wrong)
+
+
 @pytest.mark.parametrize("n, explicit", [(1, True), (2, True), (4, True), (8, True),
                                          (8, False)])
 def test_state_bytes_per_device_match_the_schedule_and_scale(n, explicit):
@@ -253,8 +275,8 @@ def test_init_from_never_holds_the_whole_model(n):
   schedule = zjax.compile_schedule(loss, shapes, batch_shapes, mesh=mesh,
                                    config=zjax.ZeroConfig(param_persistence_threshold=1024))
   tokens = jnp.zeros((8, cfg.seq_len), jnp.int32)
-  memory = zjax.sharded_init(model.init, schedule, mesh).lower(
-      jax.random.key(0), tokens).compile().memory_analysis()
+  memory = zjax.hlo.compile_for_analysis(zjax.sharded_init(model.init, schedule, mesh).lower(
+      jax.random.key(0), tokens)).memory_analysis()
   share = schedule.report()["state_bytes_per_device"]
   largest_bucket = max(schedule.bucket_elements()) * 4
   # outputs = this device's share (+ a pointer per leaf in the output tuple)
@@ -315,7 +337,7 @@ def test_frozen_params_are_gathered_but_not_reduced_or_optimized():
   # the compiled program does what the schedule says
   step = zjax.value_and_grad(loss, schedule, mesh=mesh)
   sharded = zjax.shard(params, schedule, mesh)
-  hlo = zjax.hlo.summarize(step.lower(sharded, batch).compile())
+  hlo = zjax.hlo.summarize(zjax.hlo.compile_for_analysis(step.lower(sharded, batch)))
   assert hlo["reduce_scatter_count"] == schedule.report()["reduce_scatter_count"]
   assert hlo["all_gather_count"] == schedule.report()["all_gather_count"]
   _, grads = step(sharded, batch)

@@ -1,15 +1,16 @@
 """The compiled program does what the schedule says: collective counts and bytes equal the
 schedule's report, and per-device memory stays within its predicted bound.
 
-Runs with XLA's barrier-removing pass disabled (tests/conftest.py), so that CPU programs keep
-the order a GPU would.
+The programs judged are compiled as a GPU orders them (zjax.hlo.compile_for_analysis: on CPU
+the optimization barriers are kept for that compile); test_cpu_executed.py measures how the
+program the CPU runs differs.
 """
 
 import dataclasses
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import mlp, run_zjax
+from helpers import analyse_zjax, mlp, run_zjax
 
 import zjax
 
@@ -38,7 +39,7 @@ def UNROLLED(config, unrolled=True):  # noqa: N802
 
 
 def compiled_summary(model, config, n=8):
-  schedule, _, _, compiled = run_zjax(*model, n=n, config=config)
+  schedule, compiled = analyse_zjax(*model, n=n, config=config)
   return schedule, schedule.report(), zjax.hlo.summarize(compiled)
 
 

@@ -32,7 +32,7 @@ def initialize() -> bool:
   import jax
   from zjax.cli.devices import setup
   local = int(os.environ.get(ENV_LOCAL_DEVICES, "1"))
-  setup(local)  # simulated CPU devices (the CPU backend only) and barrier-keeping XLA
+  setup(local)  # simulated CPU devices (the CPU backend only)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   timeout = int(float(os.environ.get(ENV_TIMEOUT, "60")))
   jax.distributed.initialize(

@@ -11,23 +11,6 @@ from jax import lax
 from zjax._src import layout, quantize
 
 
-def after(x, previous):
-  """x, ordered after `previous` (the last collective's result; None: no order), on CPU.
-
-  XLA's CPU runtime runs one device's independent collectives concurrently, and its
-  in-process collectives then mixed up participants or data with optimization barriers
-  kept (the CPU flags of DESIGN.md): rendezvous aborts and NaNs on rolled GQA and quantized
-  programs. Chaining each collective after the previous one's whole result avoided them
-  (a one-element slice of it did not); it holds that result a little longer, which under
-  the tests' CPU scheduler costs an unrolled model temp memory (the bench GPT: 13.1 -> 18.2
-  MiB; none under XLA's default one). GPUs issue collectives in order on one stream: no
-  chain there."""
-  if previous is None or jax.default_backend() != "cpu":
-    return x
-  x, _ = lax.optimization_barrier((x, previous))
-  return x
-
-
 def gather_wire(chunks, axes, quantization=None):
   """Each member's local chunk (in the compute dtype) -> (the gathered [N, W] wire buffer,
   the local buffer); row d is device d's."""

@@ -14,7 +14,9 @@ backward unless the schedule says so (kept across the turn).
 Ordering is pinned with optimization barriers: a gather's input shard is tied to the
 activation (or cotangent) produced just before the step that issues it, and its result to
 the inputs of the compute that needs it. So XLA neither hoists every gather to the start nor
-merges a backward re-gather with the forward gather (their operands differ).
+merges a backward re-gather with the forward gather (their operands differ). GPUs keep the
+barriers through scheduling; XLA's CPU pipeline removes them from the programs the CPU
+runs, and analysis keeps them in a compile of its own (xla_options.py).
 """
 
 from typing import Any, Callable
@@ -26,7 +28,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from zjax._src import collectives, ir, layout, offload, roll
+from zjax._src import collectives, ir, layout, offload, roll, xla_options
 from zjax._src import segments as seg_lib
 from zjax._src.execute_loop import Loop
 from zjax._src.execute_rolled import RolledLoop
@@ -50,13 +52,13 @@ def value_and_grad(loss_fn: Callable, schedule, *, mesh) -> Callable:
   Example:
     >>> step = zjax.value_and_grad(loss_fn, schedule, mesh=mesh)     # doctest: +SKIP
     >>> loss, grads = step(zjax.shard(params, schedule, mesh), batch) # doctest: +SKIP
-    >>> step.lower(sharded, batch).compile().as_text()                # doctest: +SKIP
+    >>> zjax.hlo.compile_for_analysis(step.lower(sharded, batch))     # doctest: +SKIP
   """
   layout.check_mesh(schedule, mesh)
   from zjax.distributed import check_same_schedule  # multi-process: fail, do not hang
   check_same_schedule(schedule)
   runner = _Runner(loss_fn, schedule, mesh)
-  return jax.jit(runner.step)
+  return xla_options.jit(runner.step)
 
 
 class _Runner:
@@ -231,7 +233,6 @@ class _State:
     self.wires: dict[int, Any] = {}  # hpZ: bucket -> its last forward gather's wire buffer
     self.secondary: dict[int, Any] = {}  # hpZ: bucket -> this device's secondary shard
     self.anchor = batch_leaves[0] if batch_leaves else None
-    self.last_collective = None  # its result: the next collective is ordered after it
     self.vjps: dict[int, tuple] = {}
     self.cts: dict[int, Any] = {}
     self.full_grads: dict[int, Any] = {}  # param index -> accumulated full gradient
@@ -276,8 +277,7 @@ class _State:
       secondary = self.secondary[b]
       if self.anchor is not None:
         secondary, _ = lax.optimization_barrier((secondary, self.anchor))
-      wire = collectives.gather_from_secondary(
-          collectives.after(secondary, self.last_collective), self.dp.shard_axes)
+      wire = collectives.gather_from_secondary(secondary, self.dp.shard_axes)
       chunks = [jax.ShapeDtypeStruct(x.shape, self.dp.compute_dtype(i))  # (for unpacking)
                 for i, x in zip(members, chunks)]
     else:
@@ -286,12 +286,10 @@ class _State:
       # offload_params: each shard comes from the host here, where the schedule gathers
       chunks = [offload.on_device(x).astype(self.dp.compute_dtype(i))
                 for i, x in zip(members, chunks)]
-      wire, _ = collectives.gather_wire(collectives.after(chunks, self.last_collective),
-                                        self.dp.gather_axes(phase),
+      wire, _ = collectives.gather_wire(chunks, self.dp.gather_axes(phase),
                                         self.dp.gather_quantization(b, phase))
       if self.dp.secondary_partition:
         self.wires[b] = wire
-    self.last_collective = wire
     values = collectives.unpack_wire(wire, chunks, entries, self.dp.n,
                                      self.dp.gather_quantization(b, phase))
     self.gathered.update(zip(members, values))
@@ -320,11 +318,9 @@ class _State:
     grads = [self.full_grads.pop(i, None) for i in members]
     grads = [jnp.zeros(e.shape, self.dp.reduce_dtype(i)) if g is None else
              g.astype(self.dp.reduce_dtype(i)) for i, g, e in zip(members, grads, entries)]
-    grads = collectives.after(grads, self.last_collective)
     chunks = collectives.reduce_scatter_bucket(grads, entries, self.dp.n, self.dp.storage_axes,
                                                self.dp.wire_dtype(members[0]),
                                                self.dp.mean_over, self.dp.reduce_quantization(b))
-    self.last_collective = chunks[-1]
     for i, chunk in zip(members, chunks):
       self.add_shard_grad(self.dp.storage_of[i], chunk)
 
@@ -375,7 +371,6 @@ class _State:
     outs, self.vjps[k] = loop.forward(loop.stacked_shards(self), loop.input_values(self),
                                       self.anchor)
     self.env.update(zip(loop.outputs, outs))
-    self.last_collective = outs or self.last_collective  # after every collective inside
     if outs:
       self.anchor = outs[0]
 
@@ -392,7 +387,6 @@ class _State:
       ct_outs.append(ct)
     ct_inputs, grads = loop.backward(loop.stacked_shards(self), self.vjps.pop(k), ct_outs,
                                      self.anchor)
-    self.last_collective = grads or self.last_collective
     for a, ct in loop.input_cotangents(ct_inputs):
       if a in self.dp.chains:  # a parameter (view): trained ones get the gradient
         if ir.has_gradient(self.dp.s.params[self.dp.chains[a][0]]):
@@ -446,9 +440,7 @@ class _State:
     """pmean over the data axes; on one device nothing to reduce (no collective at all)."""
     if self.dp.s.data_parallel_size == 1 or not jax.tree.leaves(tree):
       return tree
-    out = lax.pmean(collectives.after(tree, self.last_collective), self.dp.data_axes)
-    self.last_collective = out
-    return out
+    return lax.pmean(tree, self.dp.data_axes)
 
   def average_extra(self, tree):
     """New non-parameter state (e.g. batch statistics): floats averaged over devices."""

@@ -120,21 +120,19 @@ class Loop:
       secondary, _ = lax.optimization_barrier((secondary, tie))
     else:
       shard_rows, _ = lax.optimization_barrier((shard_rows, tie))
-    layers, kept, wire = {}, {}, None
+    layers, kept = {}, {}
     for b in self.buckets:
       members = self.dp.members[b]
       entries = [layout.layer_entry(self.dp.s.params[i]) for i in members]
       quantization = self.dp.gather_quantization(b, phase)
       if from_secondary:
-        wire = collectives.gather_from_secondary(collectives.after(secondary[b], wire),
-                                                 self.dp.shard_axes)
+        wire = collectives.gather_from_secondary(secondary[b], self.dp.shard_axes)
         chunks = [jax.ShapeDtypeStruct(shard_rows[i].shape, self.dp.compute_dtype(i))
                   for i in members]  # (for unpacking; nothing moves from the host)
       else:  # offload_params: the layer's rows come from the host here
         chunks = [offload.on_device(shard_rows[i]).astype(self.dp.compute_dtype(i))
                   for i in members]
-        wire, _ = collectives.gather_wire(collectives.after(chunks, wire),
-                                          self.dp.gather_axes(phase), quantization)
+        wire, _ = collectives.gather_wire(chunks, self.dp.gather_axes(phase), quantization)
         if b in self.secondary:
           kept[b] = collectives.secondary_rows(wire, self.dp.s.replicas, self.dp.shard_axes)
       layers.update(zip(members, collectives.unpack_wire(wire, chunks, entries, self.dp.n,
@@ -153,22 +151,19 @@ class Loop:
       out[b] = jnp.zeros((self.length, self.dp.s.replicas, wire.shape[0]), wire.dtype)
     return out
 
-  def scatter_layer(self, layer_grads: dict, previous=None) -> dict:
-    """param index -> this device's chunk of the layer's gradient (mean over devices); the
-    reduce-scatters run one after another, after `previous` (collectives.after)."""
+  def scatter_layer(self, layer_grads: dict) -> dict:
+    """param index -> this device's chunk of the layer's gradient (mean over devices)."""
     out = {}
     for b in self.buckets:
       if b not in self.scattered:
         continue
       members = self.dp.members[b]
       entries = [layout.layer_entry(self.dp.s.params[i]) for i in members]
-      grads = collectives.after([layer_grads[i].astype(self.dp.reduce_dtype(i))
-                                 for i in members], previous)
+      grads = [layer_grads[i].astype(self.dp.reduce_dtype(i)) for i in members]
       chunks = collectives.reduce_scatter_bucket(
           grads, entries, self.dp.n, self.dp.storage_axes, self.dp.wire_dtype(members[0]),
           self.dp.mean_over, self.dp.reduce_quantization(b))
       out.update(zip(members, chunks))
-      previous = chunks[-1]
     return out
 
   # ---- forward ---------------------------------------------------------------------------
@@ -231,7 +226,7 @@ class Loop:
     ct_xs = [jnp.zeros_like(x) if _is_float(x) else None for x in xs]
     grads = {i: jnp.zeros(shards[i].shape, self.dp.reduce_dtype(i)) for i in self.trained}
 
-    def iteration(i, layers, ct_carry, ct_consts, ct_xs, grads, upcoming=None):
+    def iteration(i, layers, ct_carry, ct_consts, ct_xs, grads):
       layer = self.layer(i)
       carry, x, ct_y = _read(saved, i), _read(xs, layer), _read(ct_ys, layer)
       diff = ({j: layers[j] for j in self.trained}, _floats(consts), _floats(carry),
@@ -247,8 +242,7 @@ class Loop:
       ct_consts = [a if a is None else a + b
                    for a, b in zip(ct_consts, _merge_none(consts, ct_c))]
       ct_xs = _write(ct_xs, layer, _merge_none(x, ct_x))
-      # the layer's reduce-scatters after the next layer's (prefetched) gathers
-      grads = _write(grads, layer, self.scatter_layer(ct_layer, upcoming))
+      grads = _write(grads, layer, self.scatter_layer(ct_layer))
       return _merge_none(carry, ct_carry_in), ct_consts, ct_xs, grads
 
     state = (ct_carry, ct_consts, ct_xs, grads)
@@ -256,7 +250,7 @@ class Loop:
       def step(carried, i):
         layers, state = carried
         upcoming = gather(i - 1, state[0])
-        return (upcoming, iteration(i, layers, *state, upcoming=upcoming)), None
+        return (upcoming, iteration(i, layers, *state)), None
 
       last = gather(length - 1, tie)
       (first, state), _ = lax.scan(step, (last, state), jnp.arange(1, length), reverse=True)

@@ -1,6 +1,11 @@
 """Analysis of a compiled program: its collectives (from the optimised HLO text) and its
 per-device memory (from `memory_analysis()`). Used by tests, `zjax inspect` and benchmarks.
 
+`compile_for_analysis` compiles a lowered program as a GPU orders it (on CPU: with the
+optimization barriers kept, for that compile only, see xla_options.py): the program the
+schedule's predictions are about. The CPU executes XLA's own compile of the same lowering,
+where CSE may merge a backward re-gather into the forward gather (`lowered.compile()`).
+
 Bytes of a collective are those of its full buffer: the output of an all-gather, the input
 of a reduce-scatter (output times group size), the operand of an all-reduce — the same
 convention as `Schedule.report()`. Async pairs (`-start`/`-done`) count once, at the start.
@@ -12,7 +17,10 @@ import dataclasses
 import itertools
 import re
 
+import jax
 import numpy as np
+
+from zjax._src import xla_options
 
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
              "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
@@ -35,6 +43,53 @@ _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _BRANCHES = re.compile(
     r"\sconditional\(.*?(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+),"
     r"\s*false_computation=%?([\w.\-]+))")
+
+
+class AnalysisProgram:
+  """A program compiled for analysis only (`compile_for_analysis`): the compiled object's
+  `as_text`, `memory_analysis` and `cost_analysis`, and no way to run it."""
+
+  def __init__(self, compiled, platform: str):
+    self._compiled, self.platform = compiled, platform
+    self.barriers_kept = bool(xla_options.analysis_options(platform))
+
+  def as_text(self) -> str:
+    return self._compiled.as_text()
+
+  def memory_analysis(self):
+    return self._compiled.memory_analysis()
+
+  def cost_analysis(self):
+    return self._compiled.cost_analysis()
+
+  def __call__(self, *args, **kwargs):
+    raise TypeError("This program was compiled for analysis (zjax.hlo.compile_for_analysis: "
+                    "on CPU with its optimization barriers kept, which XLA's CPU runtime does "
+                    "not execute safely). Call the jitted function itself to run it.")
+
+
+def compile_for_analysis(lowered) -> AnalysisProgram:
+  """`lowered` (from `jitted.lower(*args)`) compiled as a GPU orders it, for analysis.
+
+  On CPU the optimization barriers that pin the schedule's order are kept for this one
+  compile (XLA's CPU pipeline would remove them), so memory and collectives are those of
+  the program the schedule describes; elsewhere it is the ordinary compile. The result
+  analyses (`as_text`, `memory_analysis`, `cost_analysis`, `summarize`) but never runs.
+
+  Example:
+    >>> program = compile_for_analysis(step.lower(sharded, batch))   # doctest: +SKIP
+    >>> executed(program.as_text())["all_gather_count"]               # doctest: +SKIP
+  """
+  platform = _platform(lowered)
+  options = xla_options.analysis_options(platform)
+  compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
+  return AnalysisProgram(compiled, platform)
+
+
+def _platform(lowered) -> str:
+  backend = getattr(lowered, "_lowering", None)
+  backend = getattr(backend, "compile_args", {}).get("backend") if backend else None
+  return getattr(backend, "platform", None) or jax.default_backend()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,10 +215,10 @@ def executed_by_axis(hlo_text: str, mesh_shape: dict) -> dict:
 def summarize(compiled) -> dict:
   """Counts and bytes per collective kind, as executed (a while body's once per iteration;
   once where XLA does not know the trip count), and per-device memory, of a compiled
-  program.
+  program (an `AnalysisProgram`, or any `lowered.compile()`).
 
   Example:
-    >>> summary = summarize(jax.jit(f).lower(x).compile())    # doctest: +SKIP
+    >>> summary = summarize(compile_for_analysis(jax.jit(f).lower(x)))  # doctest: +SKIP
     >>> summary["all_gather_count"], summary["temp_bytes"]      # doctest: +SKIP
   """
   out = {}

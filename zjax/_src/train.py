@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 # No public dead-code elimination in JAX; this is the one jit applies.
 from jax._src.interpreters import partial_eval as pe
 
-from zjax._src import ir, layout, offload, offload_stream, optcheck
+from zjax._src import ir, layout, offload, offload_stream, optcheck, xla_options
 from zjax._src.errors import ZjaxError
 from zjax._src.execute import is_key, value_and_grad
 
@@ -40,7 +40,7 @@ class Zero3(NamedTuple):
   init: Callable  # natural-shape params -> TrainState
   init_from: Callable  # (init_fn, *args) -> TrainState, never holding the whole model
   step: Callable  # (TrainState, batch) -> (TrainState, metrics); jitted, state donated;
-  #                 step.lower(state, batch) for the compiled program
+  #                 step.lower(state, batch) for zjax.hlo.compile_for_analysis
   gather_params: Callable  # TrainState -> natural-shape params
   abstract_state: Callable  # (extra=None) -> TrainState of ShapeDtypeStructs with shardings
   schedule: Any  # the schedule it runs
@@ -50,17 +50,19 @@ class Zero3(NamedTuple):
 
 
 class NonFiniteError(FloatingPointError):
-  """Raised (with on_nonfinite="raise") when a step's loss or gradients are not finite. The
-  step left the state unchanged; it is available as `.state`."""
+  """Raised when a step's loss or gradients are not finite (on_nonfinite="raise"), or when
+  `max_consecutive_skips` steps in a row were. The step left the state unchanged; it is
+  `.state`, and the step's metrics (loss, grad_norm, finite) are `.metrics`."""
 
-  def __init__(self, message, state):
+  def __init__(self, message, state, metrics=None):
     super().__init__(message)
-    self.state = state
+    self.state, self.metrics = state, metrics
 
 
 def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, *, mesh,
           accumulation_steps: int = 1, on_nonfinite: str = "skip",
-          offload_optimizer: bool = False, offload_params: bool = False) -> Zero3:
+          max_consecutive_skips: int | None = None, offload_optimizer: bool = False,
+          offload_params: bool = False) -> Zero3:
   """A ZeRO-3 trainer for `loss_fn(params, batch) -> scalar` running `schedule` on `mesh`.
 
   Args:
@@ -72,7 +74,11 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
     accumulation_steps: K micro-batches per step; the global batch's leading dimension is
       split into K equal micro-batches (each divisible by N). Equals one step on the batch.
     on_nonfinite: "skip" (default) leaves the state unchanged when the loss or gradient norm
-      is not finite and reports it in metrics; "raise" also raises `NonFiniteError`.
+      is not finite and reports it in metrics (`metrics["finite"]` False, with the loss and
+      `grad_norm`); "raise" also raises `NonFiniteError`.
+    max_consecutive_skips: with "skip", raise `NonFiniteError` once this many steps in a
+      row were skipped (the state is the last good one); None (default): never. Checking
+      it waits for each step's result (one small device-to-host read).
     offload_optimizer: ZeRO-Offload (DeepSpeed ``offload_optimizer.device = cpu``): the
       fp32 master shards (`TrainState.masters`) and the optimizer state live in host
       memory ("pinned_host"); the device keeps parameter copies in the compute dtype
@@ -91,7 +97,7 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
     >>> state = trainer.init(params)                                          # doctest: +SKIP
     >>> state, metrics = trainer.step(state, batch)                           # doctest: +SKIP
   """
-  _check_args(optimizer, accumulation_steps, on_nonfinite)
+  _check_args(optimizer, accumulation_steps, on_nonfinite, max_consecutive_skips)
   layout.check_mesh(schedule, mesh)
   _check_offload(offload_optimizer, offload_params)
   if offload_optimizer:
@@ -174,7 +180,7 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
                      jax.tree.map(keep, extra, state.extra), masters)
     return new, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
 
-  plain_jit = jax.jit(train_step, donate_argnums=0)
+  plain_jit = xla_options.jit(train_step, donate_argnums=0)
   offload_jits = {}
 
   def jitted_for(state):
@@ -185,19 +191,27 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
     key = jax.tree.structure(state)
     if key not in offload_jits:
       shardings = jax.tree.map(lambda x: x.sharding, state)
-      offload_jits[key] = jax.jit(train_step, donate_argnums=0,
-                                  out_shardings=(shardings, NamedSharding(mesh, P())))
+      offload_jits[key] = xla_options.jit(train_step, donate_argnums=0,
+                                          out_shardings=(shardings, NamedSharding(mesh, P())))
     return offload_jits[key]
+
+  skipped_in_a_row = [0]  # steps skipped since the last finite one (max_consecutive_skips)
 
   def step(state: TrainState, batch):
     new, metrics = jitted_for(state)(state, batch)
     if on_nonfinite == "raise" and not bool(metrics["finite"]):
       raise NonFiniteError(f"Step {int(new.step)}: the loss ({float(metrics['loss'])}) or the "
                            f"gradient norm ({float(metrics['grad_norm'])}) is not finite; the "
-                           f"state was left unchanged (see .state).", new)
+                           f"state was left unchanged (see .state).", new, metrics)
+    if max_consecutive_skips is not None:
+      skipped_in_a_row[0] = 0 if bool(metrics["finite"]) else skipped_in_a_row[0] + 1
+      if skipped_in_a_row[0] >= max_consecutive_skips:
+        skipped_in_a_row[0] = 0
+        raise NonFiniteError(_too_many_skips(max_consecutive_skips, new, metrics), new,
+                             metrics)
     return new, metrics
 
-  # ahead-of-time analysis: step.lower(state, batch).compile()
+  # ahead-of-time analysis: zjax.hlo.compile_for_analysis(step.lower(state, batch))
   step.lower = lambda state, batch: jitted_for(state).lower(state, batch)
 
   def gather_params(state: TrainState):
@@ -272,7 +286,7 @@ def sharded_init(init_fn: Callable, schedule, mesh) -> Callable:
 
   Example:
     >>> build = zjax.sharded_init(model.init, schedule, mesh)           # doctest: +SKIP
-    >>> build.lower(key, x).compile().memory_analysis()                 # doctest: +SKIP
+    >>> zjax.hlo.compile_for_analysis(build.lower(key, x)).memory_analysis()  # doctest: +SKIP
   """
   shardings = [NamedSharding(mesh, spec) for spec in layout.storage_specs(schedule)]
 
@@ -301,7 +315,7 @@ def sharded_init(init_fn: Callable, schedule, mesh) -> Callable:
 
   def jitted(*args):
     if not compiled:
-      compiled.append(jax.jit(build, out_shardings=shardings))
+      compiled.append(xla_options.jit(build, out_shardings=shardings))
     return compiled[0]
 
   def run(*args):
@@ -471,7 +485,17 @@ def _check_offload(offload_optimizer, offload_params):
                      "as well, or offload_params=False.")
 
 
-def _check_args(optimizer, accumulation_steps, on_nonfinite):
+def _too_many_skips(count, state, metrics) -> str:
+  return (f"{count} steps in a row had a non-finite loss or gradient norm and were skipped "
+          f"(the last: loss {float(metrics['loss'])}, gradient norm "
+          f"{float(metrics['grad_norm'])}); the state is still that of optimizer step "
+          f"{int(state.step)} (see .state). Check the learning rate (lower it, or warm up "
+          f"longer), the inputs (inf or NaN in the batch), bf16 overflow (compute_dtype) and "
+          f"gradient clipping; max_consecutive_skips sets how many skips in a row are "
+          f"tolerated.")
+
+
+def _check_args(optimizer, accumulation_steps, on_nonfinite, max_consecutive_skips=None):
   if not isinstance(optimizer, optax.GradientTransformation):
     raise TypeError(f"optimizer must be an optax.GradientTransformation, got "
                     f"{type(optimizer).__name__}.")
@@ -480,3 +504,8 @@ def _check_args(optimizer, accumulation_steps, on_nonfinite):
     raise ValueError(f"accumulation_steps must be a positive int, got {accumulation_steps!r}.")
   if on_nonfinite not in ("skip", "raise"):
     raise ValueError(f"on_nonfinite must be 'skip' or 'raise', got {on_nonfinite!r}.")
+  if max_consecutive_skips is not None and (
+      isinstance(max_consecutive_skips, bool) or not isinstance(max_consecutive_skips, int)
+      or max_consecutive_skips < 1):
+    raise ValueError(f"max_consecutive_skips must be a positive int or None, got "
+                     f"{max_consecutive_skips!r}.")

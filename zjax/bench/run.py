@@ -3,7 +3,8 @@ by side (DESIGN.md §3), plus scaling with the device count and with depth.
 
 Per method: per-device state (params + optimizer state actually held), `memory_analysis()`
 temp/argument bytes, the collectives as executed (a while body's once per iteration) from
-the compiled HLO, flops from `cost_analysis()`, compile time, and step time as the median
+the HLO, both of the step compiled as a GPU orders it (`hlo.compile_for_analysis`; the CPU
+runs XLA's own compile of the same lowering), flops from `cost_analysis()`, compile time, and step time as the median
 (min, max) of interleaved rounds A B C D A B C D ... Floors: state 12 bytes per fp32
 parameter / N (parameter + adam's two moments; ZeRO's 16Ψ/N counts fp16 copies and
 gradients too), communication 3Ψ (forward all-gather, backward all-gather, reduce-scatter;
@@ -150,8 +151,8 @@ def compare(model: Model, mesh, rounds: int, steps_per_round: int) -> list[dict]
 
 
 def _measured(method) -> dict:
-  summary = hlo.summarize(method.compiled)
-  executed = hlo.executed(method.compiled.as_text())
+  summary = hlo.summarize(method.analysis)
+  executed = hlo.executed(method.analysis.as_text())
   row = {k: summary[k] for k in ("temp_bytes", "argument_bytes", "output_bytes", "alias_bytes",
                                  "flops")}
   for kind in ("all_gather", "reduce_scatter", "all_to_all", "all_reduce"):
@@ -215,7 +216,7 @@ def scale_depth(make_model, depths, mesh) -> list[dict]:
     for method in build_methods(make_model(depth), mesh, optax.adamw(1e-3),
                                 only=DEPTH_METHODS):
       rows.append({"layers": depth, "method": method.name,
-                   "temp_bytes": int(method.compiled.memory_analysis().temp_size_in_bytes),
+                   "temp_bytes": int(method.analysis.memory_analysis().temp_size_in_bytes),
                    "setup_seconds": method.setup_seconds,
                    "compile_seconds": method.compile_seconds})
   return rows

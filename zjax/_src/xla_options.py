@@ -1,0 +1,105 @@
+"""How zjax compiles: the programs it runs, and the ones it only analyses.
+
+Why two kinds (measured on jaxlib 0.10.2, README "CPU execution"): the executor pins its
+order with optimization barriers. XLA's GPU pipeline keeps them until after scheduling;
+its CPU pipeline removes them early (pass `cse_barrier_expander`). Kept on CPU (the old
+process-wide `--xla_disable_hlo_passes=cse_barrier_expander`), they become run-time
+dependencies of a gather on the *compute* it is tied to, while XLA's CPU runtime links one
+collective to the next only by issue order. A gather can then be launched from a worker
+thread while the device's previous collective still waits in its rendezvous. Every
+collective JAX lowers has channel id 1, and the CPU runtime keys rendezvous by it, so two
+collectives in flight are one rendezvous to it: mixed buffers (NaN), a device arriving
+twice (`id < num_threads`), or devices waiting in different collectives (timeouts).
+
+So, on every backend:
+- programs zjax runs are compiled with XLA's own pipeline (`jit`); a process-wide flag that
+  keeps barriers is undone for them, with one warning;
+- analysis compiles (`hlo.compile_for_analysis`) keep the barriers on CPU for that one
+  compile, so memory and collectives are those of the program in the schedule's order, the
+  program a GPU runs (scheduled for memory, `analysis_options`). They are never executed.
+"""
+
+import os
+import re
+import warnings
+
+import jax
+
+BARRIER_PASS = "cse_barrier_expander"
+_PASSES_FLAG = re.compile(r"--xla_disable_hlo_passes[= ]([^\s]*)")
+_warned = False
+
+
+def disabled_passes(xla_flags: str | None = None) -> list[str]:
+  """The HLO passes XLA_FLAGS (or `xla_flags`) disables, in order."""
+  text = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+  found = []
+  for value in _PASSES_FLAG.findall(text):
+    found += [p for p in value.split(",") if p and p not in found]
+  return found
+
+
+def execution_options() -> dict:
+  """Compiler options for a program zjax runs: none, unless XLA_FLAGS keeps optimization
+  barriers (the old CPU recipe), which is undone here with a warning once."""
+  passes = disabled_passes()
+  if BARRIER_PASS not in passes:
+    return {}
+  _warn_once()
+  return {"xla_disable_hlo_passes": ",".join(p for p in passes if p != BARRIER_PASS)}
+
+
+def jit(fn, **kwargs):
+  """`jax.jit(fn, **kwargs)` for a program zjax runs (see `execution_options`)."""
+  options = execution_options()
+  return _TopLevelOptions(fn, options, kwargs) if options else jax.jit(fn, **kwargs)
+
+
+class _TopLevelOptions:
+  """A jit whose calls carry compiler options at top level. Called inside another jit (as
+  the trainer calls value_and_grad), where JAX refuses compiler options, it is the plain
+  jit: the enclosing program is compiled with the enclosing jit's options."""
+
+  def __init__(self, fn, options, kwargs):
+    self._top = jax.jit(fn, compiler_options=options, **kwargs)
+    self._nested = jax.jit(fn, **kwargs)
+
+  def _pick(self, args, kwargs):
+    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs)))
+    return self._nested if traced else self._top
+
+  def __call__(self, *args, **kwargs):
+    return self._pick(args, kwargs)(*args, **kwargs)
+
+  def lower(self, *args, **kwargs):
+    return self._pick(args, kwargs).lower(*args, **kwargs)
+
+  def __getattr__(self, name):
+    return getattr(self._top, name)
+
+
+def analysis_options(platform: str) -> dict:
+  """Compiler options of an analysis compile on `platform`. CPU: barriers kept, and XLA's
+  memory-optimized CPU scheduler (its default one orders for the CPU runtime's thread
+  parallelism, starting independent work early, which lengthens buffer lives the way no
+  GPU schedule within a memory limit does; measured: the hpZ test model's temp 500 KiB
+  default, 279 KiB memory-optimized). Elsewhere none: GPU compilers keep barriers through
+  scheduling and reject them with the pass off. These are the options that take effect per
+  compile (the region-analysis and concurrency-scheduler flags are read process-wide)."""
+  if platform != "cpu":
+    return {}
+  return {"xla_disable_hlo_passes": BARRIER_PASS,
+          "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+
+
+def _warn_once():
+  global _warned
+  if not _warned:
+    _warned = True
+    warnings.warn(
+        f"XLA_FLAGS disables {BARRIER_PASS} (--xla_disable_hlo_passes), which keeps "
+        f"optimization barriers in every program of this process. XLA's CPU runtime then "
+        f"can run two collectives of a device at once (NaN, rendezvous aborts under load), "
+        f"so zjax compiles the programs it runs with that pass on. Remove the flag: "
+        f"zjax.hlo.compile_for_analysis keeps barriers for analysis, per compile.",
+        RuntimeWarning, stacklevel=3)
