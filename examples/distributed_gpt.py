@@ -8,7 +8,9 @@
                                                         # backward re-gathers inside a process
 
 Each process feeds only its rows of every global batch (`zjax.distributed.global_batch`);
-process 0 writes the losses and the final params to --out (JSON).
+process 0 writes the losses and the final params to --out (JSON). With --checkpoint DIR the
+run resumes from DIR's latest step, and on SIGTERM (to any process, or to `zjax launch`)
+every process saves the same step there and exits 0 (`ckpt.save_if_preempted`).
 """
 
 import argparse
@@ -43,6 +45,8 @@ p.add_argument("--offload", action="store_true", help="optimizer offload (fp32 m
                "adam state in host memory), the update streamed in sub-groups")
 p.add_argument("--offload-params", action="store_true", help="with --offload: the parameter "
                "copies in host memory too (ZeRO-Infinity)")
+p.add_argument("--checkpoint", default=None, help="resume from this directory's latest step; "
+               "on SIGTERM save the step every process agrees on there and stop")
 p.add_argument("--out", default=None)
 args = p.parse_args()
 if not joined:
@@ -70,7 +74,11 @@ schedule = zjax.compile_schedule(loss_fn, shapes, {"tokens": tokens0}, mesh=mesh
                                  config=config)
 trainer = zjax.zero3(loss_fn, optax.adamw(1e-2, eps=1e-6), schedule, mesh=mesh,
                      offload_optimizer=args.offload, offload_params=args.offload_params)
-if args.restore:
+ckpt = zjax.CheckpointManager(args.checkpoint, trainer) if args.checkpoint else None
+first_step = 0
+if ckpt is not None and ckpt.latest_step() is not None:  # resume where it stopped
+  first_step, state = ckpt.latest_step(), ckpt.restore()
+elif args.restore:
   state = zjax.CheckpointManager(args.restore, trainer).restore()
 else:
   state = trainer.init_from(model.init, jax.random.key(0), jnp.zeros((1, cfg.seq_len), jnp.int32))
@@ -83,8 +91,8 @@ def local_rows(step):  # the global batch is a function of the step; take this p
           .astype(np.int32)}
 
 
-losses, seconds = [], []
-for step in range(args.steps):
+losses, seconds, preempted_at = [], [], None
+for step in range(first_step, args.steps):
   if args.die_at_step == step and jax.process_index() == 1:
     os._exit(9)  # a crash: no cleanup, no goodbye to the others
   start = time.perf_counter()
@@ -93,6 +101,12 @@ for step in range(args.steps):
   losses.append(float(metrics["loss"]))  # waits for the step
   seconds.append(time.perf_counter() - start)
   print(f"step {step}: loss {losses[-1]:.5f}", flush=True)
+  if ckpt is not None and ckpt.save_if_preempted(step + 1, state):
+    preempted_at = step + 1
+    print(f"preempted: saved step {preempted_at}", flush=True)
+    break
+if ckpt is not None:
+  ckpt.close()
 if len(seconds) > 1:  # the first step compiles
   print(f"median step time {statistics.median(seconds[1:]) * 1e3:.1f} ms "
         f"({jax.process_count()} process(es) x {jax.local_device_count()} devices)")
@@ -104,4 +118,5 @@ if args.out and jax.process_index() == 0:
   flat = {jax.tree_util.keystr(k): np.asarray(v).tolist()
           for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
   with open(args.out, "w") as f:
-    json.dump({"losses": losses, "params": flat, "processes": jax.process_count()}, f)
+    json.dump({"losses": losses, "params": flat, "processes": jax.process_count(),
+               "first_step": first_step, "preempted_at": preempted_at}, f)

@@ -31,7 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
-from zjax._src import layout, offload
+from zjax._src import layout, offload, preemption
 from zjax._src import restore_plan as plan
 from zjax._src.restore_plan import CheckpointError, Leaf as _Leaf
 
@@ -89,6 +89,34 @@ class CheckpointManager:
 
   def __exit__(self, *exc):
     self.close()
+
+  # ---- preemption ---------------------------------------------------------------------
+
+  def reached_preemption(self, step: int) -> bool:
+    """Whether the job is being preempted (SIGTERM) and `step` is where to save: the same
+    answer at the same step on every process of a `jax.distributed` run (JAX's preemption
+    sync point). In one process the first call installs a SIGTERM handler; from then on the
+    signal no longer ends the process by itself, so ask every step (see preemption.py)."""
+    return preemption.reached(step)
+
+  def save_if_preempted(self, step: int, state, trainer=None) -> bool:
+    """If the job is being preempted at `step` (`reached_preemption`), save `state` as
+    `step` (unless that step is saved already), wait until it is written, and return True:
+    the caller then stops. Call it after every step.
+
+    Example:
+      >>> for step in range(start, num_steps):                          # doctest: +SKIP
+      ...   state, _ = trainer.step(state, batch_at(step))               # doctest: +SKIP
+      ...   if ckpt.save_if_preempted(step + 1, state):                  # doctest: +SKIP
+      ...     break  # saved; exit 0 and resume from ckpt.restore()     # doctest: +SKIP
+    """
+    if not self.reached_preemption(step):
+      return False
+    self._manager.wait_until_finished()
+    if int(step) not in self._manager.all_steps():
+      self.save(step, state, trainer)
+    self._manager.wait_until_finished()
+    return True
 
   # ---- save -----------------------------------------------------------------------------
 

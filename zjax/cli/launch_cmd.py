@@ -1,9 +1,11 @@
 """`zjax launch`: run P processes of a script on this machine as one jax.distributed run
 (in the spirit of torchrun): coordinator address and process ids set for
 `zjax.distributed.initialize()`, output streamed with a process prefix, non-zero exit if any
-process fails; when one fails, the others get `--timeout` seconds before they are killed."""
+process fails; when one fails, the others get `--timeout` seconds before they are killed.
+SIGTERM (a scheduler's preemption notice) is passed on to every process."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -47,7 +49,18 @@ def run(args) -> int:
                             stderr=subprocess.STDOUT, text=True, bufsize=1)
     threading.Thread(target=_stream, args=(proc, rank), daemon=True).start()
     processes.append(proc)
+  signal.signal(signal.SIGTERM, lambda *_: _pass_on(processes, signal.SIGTERM))
   return _wait(processes, args.timeout)
+
+
+def _pass_on(processes, signum) -> None:
+  """A scheduler's preemption notice (SIGTERM) goes to every process: JAX's preemption
+  service then has them all save the same step (zjax.CheckpointManager.save_if_preempted)."""
+  print(f"zjax launch: {signal.Signals(signum).name}: passed on to the {len(processes)} "
+        f"processes", file=sys.stderr, flush=True)
+  for p in processes:
+    if p.poll() is None:
+      p.send_signal(signum)
 
 
 def _stream(proc, rank):

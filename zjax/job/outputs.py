@@ -58,7 +58,9 @@ def plan_table(schedule, num_params: int, param_bytes: int, offloaded: bool = Fa
 
 # What each summary entry (metrics.json "summary") is, for people.
 SUMMARY_LABELS = {
-    "steps": "optimizer steps taken",
+    "steps": "training steps (batches)",
+    "optimizer_steps": "optimizer steps taken",
+    "skipped_steps": "skipped steps (loss or gradients not finite)",
     "final_train_loss": "final train loss (nats/byte)",
     "final_validation_loss": "final validation loss (nats/byte)",
     "tokens_per_second": "throughput (tokens/s, compile excluded)",
@@ -67,13 +69,16 @@ SUMMARY_LABELS = {
     "per_device_state_bytes": "state per device (params + adam moments)",
     "per_device_state_device_bytes": "of which in device memory",
     "per_device_state_host_bytes": "of which in host memory (offload_optimizer)",
-    "step_temp_bytes": "step scratch memory per device (XLA temp)",
+    "step_temp_bytes": "step scratch memory per device (XLA temp; as a GPU orders the step)",
     "step_argument_bytes": "step inputs per device (state + batch)",
-    "all_gather_bytes": "all-gather bytes per step (compiled)",
+    "all_gather_bytes": "all-gather bytes per step (compiled, as a GPU orders the step)",
     "reduce_scatter_bytes": "reduce-scatter bytes per step (compiled)",
     "all_to_all_bytes": "all-to-all bytes per step (compiled; qgZ)",
     "all_reduce_bytes": "all-reduce bytes per step (compiled)",
     "schedule_collective_bytes": "all-gather + reduce-scatter + all-to-all bytes (schedule)",
+    "all_gather_count": "all-gathers per step (compiled, as a GPU orders the step)",
+    "cpu_executed_all_gather_count": "all-gathers per step the CPU executed (XLA's CPU compile)",
+    "cpu_executed_step_temp_bytes": "step scratch memory the CPU executed (XLA's CPU compile)",
 }
 
 
@@ -108,7 +113,7 @@ def read_summary(path: pathlib.Path) -> dict:
 
 def read_history(path: pathlib.Path, up_to_step: int) -> dict:
   """The train/validation curves of an earlier run, up to the step it resumes from."""
-  empty = {"train": [], "validation": []}
+  empty = {"train": [], "validation": [], "skipped": []}
   if not path.is_file():
     return empty
   try:

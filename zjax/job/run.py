@@ -27,7 +27,10 @@ PROMPT = b"def "
 
 
 def train(settings, console: Console) -> dict:
-  """Run the job; returns the summary (also written to OUT_DIR/metrics.json)."""
+  """Run the job; returns the summary (also written to OUT_DIR/metrics.json). On SIGTERM it
+  finishes the step in flight, saves it, and returns {"preempted_at": step}; after
+  `max_consecutive_skips` non-finite steps in a row it saves the last good state and raises
+  NonFiniteError."""
   start = time.perf_counter()
   mesh = _mesh(settings.devices)
   data = corpus_lib.stdlib_corpus(settings.corpus_bytes)
@@ -46,40 +49,25 @@ def train(settings, console: Console) -> dict:
     console.print(f"already complete: step {latest} of {settings.steps}; nothing to train "
                   f"and {metrics_path} is kept. Raise --steps to train further.")
     return outputs.read_summary(metrics_path)
-  state, history = _start(settings, ckpt, trainer, model, metrics_path, console)
-  first_step = int(state.step)
+  first_step, state, history = _start(settings, ckpt, trainer, model, metrics_path, console)
 
   batch_at = lambda step: {"tokens": corpus_lib.batch_at(
       data.train, step, settings.batch, settings.seq_len, settings.seed)}
-  evaluate = _evaluator(loss_fn, trainer, data.validation, settings)
-  tokens_per_step = settings.batch * settings.seq_len
-  timed_steps, timed_seconds, speed = 0, 0.0, 0.0
+  loop = _Loop(settings, trainer, ckpt, history, metrics_path,
+               _evaluator(loss_fn, trainer, data.validation, settings))
   with _progress(console, settings) as progress:
-    task = progress.add_task("train", total=settings.steps, completed=first_step,
-                             status="compiling the step...", speed=0.0)
-    for step in range(first_step, settings.steps):
-      tick = time.perf_counter()
-      state, metrics = trainer.step(state, batch_at(step))
-      loss = float(metrics["loss"])  # waits for the step: honest timing
-      if step > first_step:  # the first step compiles
-        timed_steps, timed_seconds = timed_steps + 1, timed_seconds + time.perf_counter() - tick
-      speed = tokens_per_step * timed_steps / timed_seconds if timed_seconds else 0.0
-      history["train"].append({"step": step + 1, "loss": loss})
-      progress.update(task, advance=1, status=f"loss {loss:.4f}", speed=speed)
-      _log_plain(console, settings, step + 1, loss, speed)
-      done = step + 1
-      if done % settings.eval_every == 0 or done == settings.steps:
-        val = evaluate(state)
-        history["validation"].append({"step": done, "loss": val})
-        progress.console.print(f"step {done}: validation loss {val:.4f}")
-      if done % settings.checkpoint_every == 0 or done == settings.steps:
-        if done not in ckpt.all_steps():
-          ckpt.save(done, state)
+    state, stopped = loop.run(state, first_step, batch_at, progress)
   ckpt.wait_until_finished()
   ckpt.close()
+  if stopped is not None:  # preempted: the step is saved, the curves so far written
+    outputs.write_metrics(metrics_path, history, {"preempted_at": stopped},
+                          dataclasses.asdict(settings))
+    console.print(f"preempted (SIGTERM): saved step {stopped} to {settings.checkpoint_dir}; "
+                  f"run the same command to resume")
+    return {"preempted_at": stopped}
 
-  summary = _summary(settings, trainer, state, history, speed, time.perf_counter() - start,
-                     batch_at(settings.steps - 1))
+  summary = _summary(settings, trainer, state, history, loop.speed,
+                     time.perf_counter() - start, batch_at(settings.steps - 1))
   sample = outputs.generate(model, trainer.gather_params(state), PROMPT, settings.sample_bytes,
                             settings.seq_len, seed=settings.seed)
   out = settings.checkpoint_dir.parent
@@ -92,6 +80,68 @@ def train(settings, console: Console) -> dict:
   console.print(f"wrote {out / 'metrics.json'}, {out / 'loss.png'}, {out / 'sample.txt'}; "
                 f"checkpoints in {settings.checkpoint_dir}")
   return summary
+
+
+class _Loop:
+  """The training steps: progress, skipped-step lines, validation, checkpoints, and the
+  save on preemption or on too many skipped steps."""
+
+  def __init__(self, settings, trainer, ckpt, history, metrics_path, evaluate):
+    self.settings, self.trainer, self.ckpt = settings, trainer, ckpt
+    self.history, self.metrics_path, self.evaluate = history, metrics_path, evaluate
+    self.timed_steps, self.timed_seconds, self.speed = 0, 0.0, 0.0
+
+  def run(self, state, first_step, batch_at, progress):
+    """-> (state, the step saved on preemption or None)."""
+    s = self.settings
+    task = progress.add_task("train", total=s.steps, completed=first_step,
+                             status="compiling the step...", speed=0.0)
+    for step in range(first_step, s.steps):
+      tick = time.perf_counter()
+      try:
+        state, metrics = self.trainer.step(state, batch_at(step))
+      except zjax.NonFiniteError as e:
+        self._skipped(progress, step + 1, e.metrics)
+        self._save_and_stop(step + 1, e.state, progress)
+        raise
+      loss = float(metrics["loss"])  # waits for the step: honest timing
+      if step > first_step:  # the first step compiles
+        self.timed_steps += 1
+        self.timed_seconds += time.perf_counter() - tick
+      tokens = s.batch * s.seq_len
+      self.speed = tokens * self.timed_steps / self.timed_seconds if self.timed_seconds else 0.0
+      done = step + 1
+      self.history["train"].append({"step": done, "loss": loss})
+      if not bool(metrics["finite"]):
+        self._skipped(progress, done, metrics)
+      progress.update(task, advance=1, status=f"loss {loss:.4f}", speed=self.speed)
+      _log_plain(progress.console, s, done, loss, self.speed)
+      if done % s.eval_every == 0 or done == s.steps:
+        val = self.evaluate(state)
+        self.history["validation"].append({"step": done, "loss": val})
+        progress.console.print(f"step {done}: validation loss {val:.4f}")
+      if (done % s.checkpoint_every == 0 or done == s.steps) and \
+          done not in self.ckpt.all_steps():
+        self.ckpt.save(done, state)
+      if self.ckpt.save_if_preempted(done, state):
+        return state, done
+    return state, None
+
+  def _skipped(self, progress, step, metrics):
+    loss, norm = float(metrics["loss"]), float(metrics["grad_norm"])
+    self.history["skipped"].append({"step": step, "loss": loss, "grad_norm": norm})
+    progress.console.print(f"step {step}: skipped (loss {loss}, gradient norm {norm}: not "
+                           f"finite); the state is unchanged")
+
+  def _save_and_stop(self, step, state, progress):
+    """Too many skipped steps: keep the last good state as `step`, and the curves so far."""
+    if step not in self.ckpt.all_steps():
+      self.ckpt.save(step, state)
+    self.ckpt.wait_until_finished()
+    outputs.write_metrics(self.metrics_path, self.history, {"stopped_at": step},
+                          dataclasses.asdict(self.settings))
+    progress.console.print(f"saved the last good state as step {step} to "
+                           f"{self.settings.checkpoint_dir}")
 
 
 def _mesh(num_devices: int):
@@ -129,6 +179,7 @@ def _setup(settings, mesh):
   optimizer = optax.chain(optax.clip_by_global_norm(1.0),
                           optax.adamw(lr, weight_decay=settings.weight_decay))
   trainer = zjax.zero3(loss_fn, optimizer, schedule, mesh=mesh,
+                       max_consecutive_skips=settings.max_consecutive_skips or None,
                        offload_optimizer=settings.offload_optimizer,
                        offload_params=settings.offload_params)
   leaves = jax.tree.leaves(shapes)
@@ -138,16 +189,18 @@ def _setup(settings, mesh):
 
 
 def _start(settings, ckpt, trainer, model, metrics_path, console):
+  """-> (the step to continue from, the state, the curves so far): a fresh start, or the
+  latest checkpoint (its step counts the batches trained, skipped ones included)."""
   latest = ckpt.latest_step()
   if latest is None:
     tokens = jnp.zeros((1, settings.seq_len), jnp.int32)
     state = trainer.init_from(model.init, jax.random.key(settings.seed), tokens)
-    return state, {"train": [], "validation": []}
+    return 0, state, {"train": [], "validation": [], "skipped": []}
   state = ckpt.restore()
-  console.print(f"resumed from step {int(state.step)} in {settings.checkpoint_dir} "
+  console.print(f"resumed from step {latest} in {settings.checkpoint_dir} "
                 f"(saved on {_saved_devices(ckpt, latest)} device(s), now "
                 f"{settings.devices})")
-  return state, outputs.read_history(metrics_path, int(state.step))
+  return latest, state, outputs.read_history(metrics_path, latest)
 
 
 def _saved_devices(ckpt, step):
@@ -167,12 +220,17 @@ def _evaluator(loss_fn, trainer, validation, settings):
 
 
 def _summary(settings, trainer, state, history, speed, seconds, batch) -> dict:
-  compiled = trainer.step.lower(state, batch).compile()
-  memory = compiled.memory_analysis()
-  executed = hlo.executed(compiled.as_text())
+  """The end-of-run figures. Memory and collectives are those of the step as a GPU orders it
+  (hlo.compile_for_analysis); on CPU also those of the program the CPU executed (XLA's own
+  compile, where CSE may merge a backward re-gather into a forward gather)."""
+  lowered = trainer.step.lower(state, batch)
+  analysis = hlo.compile_for_analysis(lowered)
+  memory, executed = analysis.memory_analysis(), hlo.executed(analysis.as_text())
   report = trainer.schedule.report()
-  return {
-      "steps": int(state.step),
+  summary = {
+      "steps": settings.steps,
+      "optimizer_steps": int(state.step),
+      "skipped_steps": len(history["skipped"]),
       "final_train_loss": history["train"][-1]["loss"] if history["train"] else float("nan"),
       "final_validation_loss": (history["validation"][-1]["loss"] if history["validation"]
                                 else float("nan")),
@@ -192,6 +250,14 @@ def _summary(settings, trainer, state, history, speed, seconds, batch) -> dict:
       "schedule_collective_bytes": report["all_gather_bytes"] +
       report["reduce_scatter_bytes"] + report["all_to_all_bytes"],
   }
+  if analysis.barriers_kept:  # CPU: what it ran differs from what a GPU runs
+    cpu = lowered.compile()
+    cpu_executed = hlo.executed(cpu.as_text())
+    summary.update(
+        cpu_executed_step_temp_bytes=int(cpu.memory_analysis().temp_size_in_bytes),
+        cpu_executed_all_gather_count=int(cpu_executed.get("all_gather_count", 0)),
+        all_gather_count=int(executed.get("all_gather_count", 0)))
+  return summary
 
 
 def _state_arrays(state):

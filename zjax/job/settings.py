@@ -45,6 +45,7 @@ class TrainSettings:
   resume: bool = True  # continue from the latest checkpoint in out_dir/checkpoints
   sample_bytes: int = 240
   log_every: int = 10  # progress lines when the output is not a terminal
+  max_consecutive_skips: int = 10  # stop after this many non-finite steps in a row (0: never)
 
   def __post_init__(self):
     positive = ("d_model", "n_layer", "n_head", "d_ff", "seq_len", "devices", "steps", "batch",
@@ -72,6 +73,9 @@ class TrainSettings:
                           "with --offload-params (or set both in the config file).")
     if not (isinstance(self.lr, (int, float)) and self.lr > 0):
       raise SettingsError(f"lr must be a positive number, got {self.lr!r}.")
+    if self.max_consecutive_skips < 0:
+      raise SettingsError(f"max_consecutive_skips must be >= 0 (0: never stop), got "
+                          f"{self.max_consecutive_skips}.")
     if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
       raise SettingsError("warmup_steps must be >= 0 and min_lr_ratio in [0, 1].")
 
@@ -125,6 +129,8 @@ HELP = {  # what each setting does (the flags' help)
               "count); --no-resume refuses a directory that holds checkpoints",
     "sample_bytes": "bytes of text to generate at the end",
     "log_every": "progress lines every this many steps when the output is not a terminal",
+    "max_consecutive_skips": "stop (saving the last good state) after this many steps in a "
+                             "row whose loss or gradients were not finite; 0: never",
 }
 
 
