@@ -8,6 +8,11 @@ non-parameter state (`extra`) and the plain single-device loss to compare with.
                  layers, logit soft-caps, tied embedding
   rnn_lstm       two LSTMs through nn.RNN, classifier head
   bilstm_scan    bidirectional LSTM through nn.scan(variable_broadcast="params")
+  griffin        Griffin-style recurrent LM: every layer an nn.remat block holding a
+                 causal depthwise conv, an RG-LRU whose sqrt has a custom_vjp (bounded
+                 derivative) and its own lax.scan over time; identical layers (rolled)
+  t5             T5-style encoder-decoder: RMSNorm, no biases, relative position bias
+                 held by the first layer of each stack and reused by the others, dropout
 """
 
 import dataclasses
@@ -234,5 +239,188 @@ def bilstm_scan(batch_size=16) -> Case:
   return _sequence_case(BiLSTM(), batch_size)
 
 
+# ---- Griffin-style recurrent LM -----------------------------------------------------------
+@jax.custom_vjp
+def sqrt_bounded_derivative(x):
+  """sqrt(x) whose derivative is capped (at x -> 0), as Griffin's RG-LRU writes it."""
+  return jnp.sqrt(x)
+
+
+def _sqrt_forward(x):
+  return jnp.sqrt(x), x
+
+
+def _sqrt_backward(x, g):
+  return (g / (2 * jnp.sqrt(jnp.maximum(x, 1e-6))),)
+
+
+sqrt_bounded_derivative.defvjp(_sqrt_forward, _sqrt_backward)
+
+
+class RGLRU(nn.Module):
+  """Real-gated linear recurrent unit: h_t = a_t h_{t-1} + sqrt(1 - a_t^2) (i_t x_t)."""
+  width: int
+
+  @nn.compact
+  def __call__(self, x):
+    input_gate = nn.sigmoid(nn.Dense(self.width, name="input_gate")(x))
+    a_gate = nn.sigmoid(nn.Dense(self.width, name="a_gate")(x))
+    a_param = self.param("a_param", nn.initializers.uniform(2.0), (self.width,))
+    log_a = -8.0 * a_gate * nn.softplus(a_param)
+    gated = x * input_gate * sqrt_bounded_derivative(1.0 - jnp.exp(2.0 * log_a))
+
+    def step(h, inputs):
+      a_t, x_t = inputs
+      h = a_t * h + x_t
+      return h, h
+
+    h0 = jnp.zeros((x.shape[0], self.width), x.dtype)
+    _, ys = jax.lax.scan(step, h0, (jnp.exp(log_a).swapaxes(0, 1), gated.swapaxes(0, 1)))
+    return ys.swapaxes(0, 1)
+
+
+class GriffinBlock(nn.Module):
+  width: int
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.RMSNorm()(x)
+    y = nn.gelu(nn.Dense(self.width)(h))
+    r = nn.Conv(self.width, (4,), padding=((3, 0),), feature_group_count=self.width)(
+        nn.Dense(self.width)(h))  # causal depthwise temporal conv
+    x = x + nn.Dense(x.shape[-1])(RGLRU(self.width)(r) * y)
+    h = nn.RMSNorm()(x)
+    return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(2 * x.shape[-1])(h)))
+
+
+class Griffin(nn.Module):
+  vocab: int = 61
+  d: int = 32
+  layers: int = 3
+
+  @nn.compact
+  def __call__(self, tokens):
+    embed = nn.Embed(self.vocab, self.d)
+    x = embed(tokens) * jnp.sqrt(float(self.d))
+    for _ in range(self.layers):
+      x = nn.remat(GriffinBlock)(2 * self.d)(x)
+    return embed.attend(nn.RMSNorm()(x))
+
+
+def griffin(batch_size=16, layers=3) -> Case:
+  model = Griffin(layers=layers)
+  tokens = jax.random.randint(jax.random.key(6), (batch_size, 12), 0, model.vocab)
+  params = model.init(jax.random.key(7), tokens[:, :-1])["params"]
+
+  def loss_fn(p, b):
+    logits = model.apply({"params": p}, b["tokens"][:, :-1])
+    return cross_entropy(logits, b["tokens"][:, 1:])
+
+  return Case(loss_fn, params, {"tokens": tokens}, reference_loss_fn=loss_fn)
+
+
+# ---- T5-style encoder-decoder ---------------------------------------------------------------
+def relative_buckets(q_len, k_len, bidirectional, num_buckets=8, max_distance=16):
+  """T5's bucketing of key-minus-query offsets: exact for small ones, log-spaced after."""
+  offset = jnp.arange(k_len)[None, :] - jnp.arange(q_len)[:, None]
+  buckets = 0
+  if bidirectional:
+    num_buckets //= 2
+    buckets = (offset > 0).astype(jnp.int32) * num_buckets
+    offset = jnp.abs(offset)
+  else:
+    offset = -jnp.minimum(offset, 0)
+  exact = num_buckets // 2
+  log_bucket = exact + (jnp.log(jnp.maximum(offset, 1) / exact) /
+                        jnp.log(max_distance / exact) * (num_buckets - exact)).astype(jnp.int32)
+  return buckets + jnp.where(offset < exact, offset, jnp.minimum(log_bucket, num_buckets - 1))
+
+
+class T5Attention(nn.Module):
+  heads: int
+  bidirectional: bool = True
+  has_bias: bool = False  # the first layer of a stack holds the relative position bias
+  rate: float = 0.1
+
+  @nn.compact
+  def __call__(self, x, context=None, bias=None, mask=None, train=True):
+    d = x.shape[-1]
+    context = x if context is None else context
+    split = lambda y: y.reshape(y.shape[:2] + (self.heads, d // self.heads))  # noqa: E731
+    q = split(nn.Dense(d, use_bias=False, name="q")(x))
+    k = split(nn.Dense(d, use_bias=False, name="k")(context))
+    v = split(nn.Dense(d, use_bias=False, name="v")(context))
+    if self.has_bias:
+      table = nn.Embed(8, self.heads, name="relative_attention_bias")
+      bias = table(relative_buckets(x.shape[1], context.shape[1], self.bidirectional))
+      bias = bias.transpose(2, 0, 1)[None]  # [1, heads, q, k]
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k)  # T5: no 1/sqrt(d) scaling
+    if bias is not None:
+      logits = logits + bias
+    if mask is not None:
+      logits = jnp.where(mask, logits, -1e9)
+    weights = nn.Dropout(self.rate, deterministic=not train)(jax.nn.softmax(logits, -1))
+    out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(x.shape)
+    return nn.Dense(d, use_bias=False, name="o")(out), bias
+
+
+class T5Layer(nn.Module):
+  decoder: bool = False
+  has_bias: bool = False
+  rate: float = 0.1
+
+  @nn.compact
+  def __call__(self, x, bias, enc=None, train=True):
+    drop = nn.Dropout(self.rate, deterministic=not train)
+    mask = nn.make_causal_mask(x[..., 0]) if self.decoder else None
+    y, bias = T5Attention(4, not self.decoder, self.has_bias, self.rate, name="self_attn")(
+        nn.RMSNorm()(x), bias=bias, mask=mask, train=train)
+    x = x + drop(y)
+    if self.decoder:
+      y, _ = T5Attention(4, rate=self.rate, name="cross_attn")(nn.RMSNorm()(x), enc,
+                                                                 train=train)
+      x = x + drop(y)
+    h = nn.relu(nn.Dense(2 * x.shape[-1], use_bias=False)(nn.RMSNorm()(x)))
+    return x + drop(nn.Dense(x.shape[-1], use_bias=False)(drop(h))), bias
+
+
+class T5(nn.Module):
+  vocab: int = 37
+  d: int = 32
+  layers: int = 3
+
+  @nn.compact
+  def __call__(self, src, tgt, train=True):
+    shared = nn.Embed(self.vocab, self.d)
+    x, bias = shared(src), None
+    for i in range(self.layers):
+      x, bias = T5Layer(has_bias=i == 0, name=f"encoder_{i}")(x, bias, train=train)
+    enc = nn.RMSNorm()(x)
+    y, bias = shared(tgt), None
+    for i in range(self.layers):
+      y, bias = T5Layer(decoder=True, has_bias=i == 0, name=f"decoder_{i}")(
+          y, bias, enc, train=train)
+    return shared.attend(nn.RMSNorm()(y) * self.d ** -0.5)
+
+
+def t5(batch_size=16, layers=3) -> Case:
+  """Dropout on: the batch carries one key (zjax folds each device's position into it)."""
+  model = T5(layers=layers)
+  src = jax.random.randint(jax.random.key(8), (batch_size, 10), 0, model.vocab)
+  tgt = jax.random.randint(jax.random.key(9), (batch_size, 9), 0, model.vocab)
+  params = model.init(jax.random.key(10), src, tgt[:, :-1], train=False)["params"]
+
+  def loss_fn(p, b):
+    logits = model.apply({"params": p}, b["src"], b["tgt"][:, :-1],
+                         rngs={"dropout": b["dropout"]})
+    return cross_entropy(logits, b["tgt"][:, 1:])
+
+  batch = {"src": src, "tgt": tgt, "dropout": jax.random.key(11)}
+  return Case(loss_fn, params, batch, reference_loss_fn=loss_fn)
+
+
 CASES = {"resnet_syncbn": resnet_syncbn, "encdec": encdec, "nnx_gqa": nnx_gqa,
          "rnn_lstm": rnn_lstm, "bilstm_scan": bilstm_scan}
+# Models whose reference differs (dropout draws per device) or that are not in CASES' parity
+# tests yet: the CPU stress harness (examples/cpu_stress.py) and rolling tests use them.
+STRESS_CASES = {"griffin": griffin, "t5": t5}
