@@ -3,6 +3,7 @@ example scripts that show the library API (run so that they never rot)."""
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -39,7 +40,12 @@ def test_train_end_to_end_then_resume_on_other_devices_scanned(tmp_path):
   assert (out / "sample.txt").read_bytes().startswith(b"def ")
   summary = metrics["summary"]
   assert summary["steps"] == 8 and summary["tokens_per_second"] > 0
+  assert summary["optimizer_steps"] == 8 and summary["skipped_steps"] == 0
+  assert metrics["skipped"] == []
   assert summary["all_gather_bytes"] > 0 and summary["per_device_state_bytes"] > 0
+  # what a GPU runs (the analysis) and what the CPU ran: at most the analysed gathers
+  assert 0 < summary["cpu_executed_all_gather_count"] <= summary["all_gather_count"]
+  assert "as a GPU orders the step" in first.stdout and "the CPU executed" in first.stdout
   assert "Plan" in first.stdout and "Summary" in first.stdout
   assert "state per device (params + adam moments)" in first.stdout
   assert max(len(line) for line in first.stdout.splitlines()) > 80  # piped: no 80-column wrap
@@ -89,6 +95,27 @@ def test_train_unrolled_in_bf16_with_quantized_communication_and_offload(tmp_pat
   host, device = summary["per_device_state_host_bytes"], summary["per_device_state_device_bytes"]
   assert 0 <= host - 6 * device <= 64  # + the optimizer's step counts
   assert "masters + adam state (host)" in done.stdout
+
+
+def test_skipped_steps_are_printed_counted_and_too_many_stop_the_run(tmp_path):
+  """A learning rate that makes the loss overflow: every skipped step is a line; after 3
+  in a row the run saves the last good state and exits 1 saying what to check."""
+  out = tmp_path / "run"
+  done = zjax_cli("train", *TINY, "--steps", "12", "--lr", "1e9", "--max-consecutive-skips",
+                  "3", "--out-dir", str(out))
+  assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+  skipped = re.findall(r"step (\d+): skipped \(loss (\S+), gradient norm", done.stdout)
+  assert len(skipped) == 3, done.stdout[-3000:]
+  last = int(skipped[-1][0])
+  assert f"3 steps in a row (up to step {last})" in done.stderr and "--lr" in done.stderr
+  metrics = json.loads((out / "metrics.json").read_text())
+  assert [row["step"] for row in metrics["skipped"]] == [int(s) for s, _ in skipped]
+  assert metrics["summary"] == {"stopped_at": last}
+  assert last in zjax_cli_checkpoints(out)
+
+
+def zjax_cli_checkpoints(out):
+  return sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
 
 
 def test_resume_with_another_model_fails_clearly(tmp_path):

@@ -43,15 +43,14 @@ def run(args) -> int:
     return 2
   devices.setup(settings.devices)
   from rich.console import Console  # after the device setup: jax must not start earlier
-  import zjax
-  from zjax.job.run import train
+  from zjax.job.run import TrainingStopped, train
   # piped output (logs, CI): no hard wrap at 80 columns
   console = Console()
   if not console.is_terminal:
     console = Console(width=160, soft_wrap=True)
   try:
     train(settings, console)
-  except zjax.NonFiniteError as e:  # the last good state is saved; say what to check
+  except TrainingStopped as e:  # the last good state is saved; the message says what to check
     print(f"zjax train: error: {e}", file=sys.stderr)
     return 1
   return 0

@@ -30,7 +30,7 @@ def train(settings, console: Console) -> dict:
   """Run the job; returns the summary (also written to OUT_DIR/metrics.json). On SIGTERM it
   finishes the step in flight, saves it, and returns {"preempted_at": step}; after
   `max_consecutive_skips` non-finite steps in a row it saves the last good state and raises
-  NonFiniteError."""
+  TrainingStopped."""
   start = time.perf_counter()
   mesh = _mesh(settings.devices)
   data = corpus_lib.stdlib_corpus(settings.corpus_bytes)
@@ -82,6 +82,11 @@ def train(settings, console: Console) -> dict:
   return summary
 
 
+class TrainingStopped(RuntimeError):
+  """Too many skipped steps in a row: the last good state is saved; the message says what
+  to check."""
+
+
 class _Loop:
   """The training steps: progress, skipped-step lines, validation, checkpoints, and the
   save on preemption or on too many skipped steps."""
@@ -103,7 +108,13 @@ class _Loop:
       except zjax.NonFiniteError as e:
         self._skipped(progress, step + 1, e.metrics)
         self._save_and_stop(step + 1, e.state, progress)
-        raise
+        raise TrainingStopped(
+            f"{s.max_consecutive_skips} steps in a row (up to step {step + 1}) had a "
+            f"non-finite loss or gradient norm and were skipped; the last good state "
+            f"(optimizer step {int(e.state.step)}) is saved as step {step + 1} in "
+            f"{s.checkpoint_dir}. Check --lr (lower it, or raise --warmup-steps), the data, "
+            f"and bf16 overflow (--precision); --max-consecutive-skips sets how many skips "
+            f"in a row are tolerated (0: never stop).") from None
       loss = float(metrics["loss"])  # waits for the step: honest timing
       if step > first_step:  # the first step compiles
         self.timed_steps += 1
