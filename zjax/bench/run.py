@@ -253,7 +253,9 @@ def main_tables(rows, n) -> list[Table]:
           ("time / gspmd (min-max)", "time_vs_gspmd")])]
   tables = []
   for title, cols in groups:
-    table = Table(title=f"zjax bench, {title}: {n} devices, per device and training step")
+    table = Table(title=f"zjax bench, {title}: {n} devices, per device and training step",
+                  caption="memory and collectives: the step as a GPU orders it "
+                          "(zjax.hlo.compile_for_analysis); time: the compiled step run here")
     table.add_column("method")
     for head, _ in cols:
       table.add_column(head, justify="right")

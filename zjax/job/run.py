@@ -55,10 +55,12 @@ def train(settings, console: Console) -> dict:
       data.train, step, settings.batch, settings.seq_len, settings.seed)}
   loop = _Loop(settings, trainer, ckpt, history, metrics_path,
                _evaluator(loss_fn, trainer, data.validation, settings))
-  with _progress(console, settings) as progress:
-    state, stopped = loop.run(state, first_step, batch_at, progress)
-  ckpt.wait_until_finished()
-  ckpt.close()
+  try:
+    with _progress(console, settings) as progress:
+      state, stopped = loop.run(state, first_step, batch_at, progress)
+  finally:  # also when too many skipped steps stop the run: every save written
+    ckpt.wait_until_finished()
+    ckpt.close()
   if stopped is not None:  # preempted: the step is saved, the curves so far written
     outputs.write_metrics(metrics_path, history, {"preempted_at": stopped},
                           dataclasses.asdict(settings))
