@@ -54,9 +54,10 @@ CONFIGS = {
 }
 
 
+@pytest.mark.parametrize("unrolled", [False, True], ids=["rolled", "unrolled"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_collectives_equal_the_report(name):
-  _, report, hlo = compiled_summary(deep_mlp(), CONFIGS[name])
+def test_collectives_equal_the_report(name, unrolled):
+  _, report, hlo = compiled_summary(deep_mlp(), UNROLLED(CONFIGS[name], unrolled))
   for kind in ("all_gather", "reduce_scatter"):
     assert hlo[f"{kind}_count"] == report[f"{kind}_count"], kind
     assert hlo[f"{kind}_bytes"] == report[f"{kind}_bytes"], kind
