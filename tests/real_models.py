@@ -13,6 +13,9 @@ non-parameter state (`extra`) and the plain single-device loss to compare with.
                  derivative) and its own lax.scan over time; identical layers (rolled)
   t5             T5-style encoder-decoder: RMSNorm, no biases, relative position bias
                  held by the first layer of each stack and reused by the others, dropout
+  llama          Llama-style decoder: RMSNorm, GQA, SwiGLU, rotary tables either computed
+                 once before the layers or built by each layer as its own numpy constant
+                 (as Hugging Face's Flax Llama does), a causal mask built once
 """
 
 import dataclasses
@@ -22,6 +25,7 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 
@@ -419,8 +423,102 @@ def t5(batch_size=16, layers=3) -> Case:
   return Case(loss_fn, params, batch, reference_loss_fn=loss_fn)
 
 
+# ---- Llama-style decoder -----------------------------------------------------------------
+
+def rope_tables(seq_len, head_dim, base=10000.0):
+  """(sin, cos) [seq_len, head_dim / 2] as numpy arrays."""
+  inverse = 1.0 / base ** (np.arange(0, head_dim, 2) / head_dim)
+  angles = np.arange(seq_len)[:, None] * inverse[None, :]
+  return np.sin(angles).astype(np.float32), np.cos(angles).astype(np.float32)
+
+
+def apply_rope(x, sin, cos):  # x: [batch, seq, heads, head_dim]
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  sin, cos = sin[None, :, None, :], cos[None, :, None, :]
+  return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+class LlamaAttention(nn.Module):
+  heads: int
+  kv_heads: int
+  own_tables: bool  # build the rotary tables here (a numpy constant per layer)
+
+  @nn.compact
+  def __call__(self, x, mask, tables):
+    b, s, d = x.shape
+    hd = d // self.heads
+    if self.own_tables:
+      tables = rope_tables(s, hd)
+    sin, cos = tables
+    q = nn.Dense(d, use_bias=False, name="q_proj")(x).reshape(b, s, self.heads, hd)
+    k = nn.Dense(self.kv_heads * hd, use_bias=False, name="k_proj")(x)
+    v = nn.Dense(self.kv_heads * hd, use_bias=False, name="v_proj")(x)
+    k, v = (t.reshape(b, s, self.kv_heads, hd) for t in (k, v))
+    q, k = apply_rope(q, sin, cos), apply_rope(k, sin, cos)
+    k, v = (jnp.repeat(t, self.heads // self.kv_heads, axis=2) for t in (k, v))
+    w = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd)
+    w = jax.nn.softmax(jnp.where(mask, w, jnp.finfo(w.dtype).min), axis=-1)
+    out = jnp.einsum("bhqk,bkhd->bqhd", w, v).reshape(b, s, d)
+    return nn.Dense(d, use_bias=False, name="o_proj")(out)
+
+
+class LlamaLayer(nn.Module):
+  heads: int
+  kv_heads: int
+  d_ff: int
+  own_tables: bool
+
+  @nn.compact
+  def __call__(self, x, mask, tables):
+    h = nn.RMSNorm(name="input_layernorm")(x)
+    x = x + LlamaAttention(self.heads, self.kv_heads, self.own_tables, name="self_attn")(
+        h, mask, tables)
+    h = nn.RMSNorm(name="post_attention_layernorm")(x)
+    gate = nn.Dense(self.d_ff, use_bias=False, name="gate_proj")(h)
+    up = nn.Dense(self.d_ff, use_bias=False, name="up_proj")(h)
+    return x + nn.Dense(x.shape[-1], use_bias=False, name="down_proj")(nn.silu(gate) * up)
+
+
+class Llama(nn.Module):
+  vocab: int = 61
+  d: int = 64
+  layers: int = 3
+  heads: int = 4
+  kv_heads: int = 2
+  d_ff: int = 128
+  own_tables: bool = False
+
+  @nn.compact
+  def __call__(self, tokens):
+    s = tokens.shape[1]
+    x = nn.Embed(self.vocab, self.d, name="embed_tokens")(tokens)
+    mask = jnp.tril(jnp.ones((s, s), bool))[None, None]  # causal, built once
+    tables = None
+    if not self.own_tables:  # computed once, before the layers, read by every layer
+      positions = jnp.arange(s, dtype=jnp.float32)[:, None]
+      hd = self.d // self.heads
+      angles = positions / 10000.0 ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
+      tables = (jnp.sin(angles), jnp.cos(angles))
+    for i in range(self.layers):
+      x = LlamaLayer(self.heads, self.kv_heads, self.d_ff, self.own_tables,
+                     name=f"layers_{i}")(x, mask, tables)
+    return nn.Dense(self.vocab, use_bias=False, name="lm_head")(nn.RMSNorm(name="norm")(x))
+
+
+def llama(batch_size=8, own_tables=False, layers=3) -> Case:
+  model = Llama(layers=layers, own_tables=own_tables)
+  tokens = jax.random.randint(jax.random.key(12), (batch_size, 17), 0, model.vocab)
+  params = model.init(jax.random.key(13), tokens[:, :-1])["params"]
+
+  def loss_fn(p, b):
+    return cross_entropy(model.apply({"params": p}, b["tokens"][:, :-1]), b["tokens"][:, 1:])
+
+  return Case(loss_fn, params, {"tokens": tokens}, reference_loss_fn=loss_fn)
+
+
 CASES = {"resnet_syncbn": resnet_syncbn, "encdec": encdec, "nnx_gqa": nnx_gqa,
          "rnn_lstm": rnn_lstm, "bilstm_scan": bilstm_scan}
-# Models whose reference differs (dropout draws per device) or that are not in CASES' parity
-# tests yet: the CPU stress harness (examples/cpu_stress.py) and rolling tests use them.
+# Not in CASES' parity tests: t5's reference differs (dropout draws per device); the CPU
+# stress harness (examples/cpu_stress.py) runs griffin and t5, test_rolling.py griffin and
+# llama.
 STRESS_CASES = {"griffin": griffin, "t5": t5}

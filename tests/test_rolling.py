@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import real_models
 from flax import nnx
 from helpers import assert_parity, assert_trees_close, mesh_of, run_zjax
 from test_train import reference_run
@@ -173,6 +174,28 @@ def test_only_the_identical_layers_roll():
   loss, params, batch = net(widths=(64, 64, 128, 64, 64, 64))
   schedule, _ = assert_parity(loss, params, batch, n=4, config=NET)
   assert rolled_lengths(schedule) == [2, 3]
+
+
+@pytest.mark.parametrize("own_tables,n", [(True, 8), (False, 4)],
+                         ids=["tables-per-layer", "tables-shared"])
+def test_llama_style_layers_all_roll(own_tables, n):
+  """Rotary tables computed once before the layers, or (as Hugging Face's Flax Llama) each
+  layer's own numpy constant of equal values: every layer rolls, gradients equal plain
+  JAX's and the compiled collectives the report."""
+  case = real_models.llama(own_tables=own_tables)
+  schedule, compiled = assert_parity(case.loss_fn, case.params, case.batch, n=n, config=ROLL)
+  assert rolled_lengths(schedule) == [3], schedule.rolling
+  assert schedule.rolling[0].endswith("(['layers_0'] .. ['layers_2'])")
+  report, compiled = schedule.report(), hlo.summarize(compiled)
+  for kind in ("all_gather", "reduce_scatter"):
+    assert (compiled[f"{kind}_count"], compiled[f"{kind}_bytes"]) == \
+        (report[f"{kind}_count"], report[f"{kind}_bytes"]), kind
+
+
+def test_griffin_style_remat_custom_vjp_scan_layers_roll():
+  case = real_models.griffin(batch_size=8)
+  schedule, _ = assert_parity(case.loss_fn, case.params, case.batch, config=ROLL)
+  assert rolled_lengths(schedule) == [3], schedule.rolling
 
 
 @pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])

@@ -326,8 +326,10 @@ class _Wiring:
     # block 0 read an outside value: a const (same value) or a carry (previous block's)
     previous = self._local(b, layer - 1)
     role = ("carry", previous) if previous is not None else ("const", b)
-    if role[0] == "const" and b != src[1] and not self._equal_consts(b, src[1]):
-      return "reads a value from before the layers that the first layer does not read"
+    if role[0] == "const" and b != src[1]:
+      if not self._equal_consts(b, src[1]):
+        return "reads a value from before the layers that the first layer does not read"
+      role = ("const", src[1])  # its own copy of the first layer's table (e.g. RoPE's)
     known = self.consts.get((j, q)) or self.carries.get((j, q))
     if known is not None and known != role:
       return "reads another layer's value than the previous layer's"
