@@ -9,6 +9,8 @@ first run's bit for bit (same program, same inputs). Runs share one compilation 
 
   python examples/cpu_stress.py                         # every case K=10 (gpt 20), 4 busy
   python examples/cpu_stress.py --old-flags             # with the XLA flags zjax used to set
+  git worktree add /tmp/zjax-old f5ee834 && \
+  python examples/cpu_stress.py --zjax-from /tmp/zjax-old   # the code before the fix
   python examples/cpu_stress.py --cases gpt griffin --runs 2 --steps 4 --load 1 --json s.json
 
 Cases: gpt and gpt_scan (what `zjax train` trains, rolled or nn.scan), cli (`zjax train`
@@ -17,8 +19,11 @@ itself, default settings), griffin (remat + custom_vjp + inner scan per layer, r
 gathers and gradient all-to-all), hpz (2x4 mesh), offload (optimizer and parameters in host
 memory). --old-flags sets `--xla_disable_hlo_passes=cse_barrier_expander
 --xla_cpu_copy_insertion_use_region_analysis=true` process-wide and lets it reach the
-executed programs (zjax otherwise undoes it, xla_options.py): the configuration of the
-aborts and NaNs that README "CPU execution" explains.
+executed programs (zjax otherwise undoes it, xla_options.py), without the executor's old
+chain of collectives. --zjax-from DIR runs the cases with the zjax package of another
+checkout: f5ee834, the last commit before the fix, sets those flags itself and chains every
+collective after the previous one, the configuration of the aborts and NaNs that README "CPU
+execution" explains.
 """
 
 import argparse
@@ -143,9 +148,9 @@ def one_run(case, args, env) -> dict:
              if case == "cli" else
              [sys.executable, __file__, "--worker", case, "--steps", str(args.steps)] +
              (["--old-flags"] if args.old_flags else []))
-  try:
+  try:  # (`python -m` imports from the working directory first)
     proc = subprocess.run(command, env=env, capture_output=True, text=True,
-                          timeout=args.timeout, cwd=ROOT)
+                          timeout=args.timeout, cwd=args.zjax_from or ROOT)
   except subprocess.TimeoutExpired:
     return {"ok": False, "why": f"hung past {args.timeout:g} s", "losses": None,
             "nonfinite": 0, "seconds": time.perf_counter() - start}
@@ -192,7 +197,8 @@ def _finite(x: float) -> bool:
 
 
 def print_table(rows, args) -> None:
-  flags = "old flags (barriers kept process-wide)" if args.old_flags else "XLA's CPU pipeline"
+  flags = ("old flags (barriers kept process-wide)" if args.old_flags else
+           f"zjax from {args.zjax_from}" if args.zjax_from else "XLA's CPU pipeline")
   print(f"\nCPU stress: {flags}; {args.load} busy processes; {args.steps} steps per run "
         f"(cli: zjax train's defaults)")
   print(f"{'case':<9} {'runs':>4} {'aborts':>6} {'non-finite':>10} {'bitwise same':>12} "
@@ -215,6 +221,8 @@ def main() -> int:
   parser.add_argument("--load", type=int, default=4, help="busy processes beside the runs")
   parser.add_argument("--timeout", type=float, default=900.0, help="seconds a run may take")
   parser.add_argument("--old-flags", action="store_true", help=OLD_FLAGS)
+  parser.add_argument("--zjax-from", metavar="DIR",
+                      help="a checkout whose zjax package the runs import (e.g. an old commit)")
   parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
   parser.add_argument("--worker", help=argparse.SUPPRESS)
   args = parser.parse_args()
@@ -223,7 +231,8 @@ def main() -> int:
     return 0
   env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": tempfile.mkdtemp(prefix="zjax-stress-xla-"),
          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+         "PYTHONPATH": os.pathsep.join(filter(None, [args.zjax_from, str(ROOT),
+                                                     os.environ.get("PYTHONPATH")]))}
   env["XLA_FLAGS"] = OLD_FLAGS if args.old_flags else ""
   load, rows = start_load(args.load), []
   try:
