@@ -425,11 +425,11 @@ def t5(batch_size=16, layers=3) -> Case:
 
 # ---- Llama-style decoder -----------------------------------------------------------------
 
-def rope_tables(seq_len, head_dim, base=10000.0):
-  """(sin, cos) [seq_len, head_dim / 2] as numpy arrays."""
-  inverse = 1.0 / base ** (np.arange(0, head_dim, 2) / head_dim)
-  angles = np.arange(seq_len)[:, None] * inverse[None, :]
-  return np.sin(angles).astype(np.float32), np.cos(angles).astype(np.float32)
+def rope_tables(seq_len, head_dim, xp=np, base=10000.0):
+  """(sin, cos) [seq_len, head_dim / 2]: numpy constants (xp=np) or traced ops (xp=jnp)."""
+  inverse = 1.0 / base ** (xp.arange(0, head_dim, 2) / head_dim)
+  angles = xp.arange(seq_len)[:, None] * inverse[None, :]
+  return xp.sin(angles).astype(np.float32), xp.cos(angles).astype(np.float32)
 
 
 def apply_rope(x, sin, cos):  # x: [batch, seq, heads, head_dim]
@@ -493,12 +493,8 @@ class Llama(nn.Module):
     s = tokens.shape[1]
     x = nn.Embed(self.vocab, self.d, name="embed_tokens")(tokens)
     mask = jnp.tril(jnp.ones((s, s), bool))[None, None]  # causal, built once
-    tables = None
-    if not self.own_tables:  # computed once, before the layers, read by every layer
-      positions = jnp.arange(s, dtype=jnp.float32)[:, None]
-      hd = self.d // self.heads
-      angles = positions / 10000.0 ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
-      tables = (jnp.sin(angles), jnp.cos(angles))
+    # else computed once, before the layers, and read by every layer
+    tables = None if self.own_tables else rope_tables(s, self.d // self.heads, jnp)
     for i in range(self.layers):
       x = LlamaLayer(self.heads, self.kv_heads, self.d_ff, self.own_tables,
                      name=f"layers_{i}")(x, mask, tables)
