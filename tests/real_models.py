@@ -16,6 +16,10 @@ non-parameter state (`extra`) and the plain single-device loss to compare with.
   llama          Llama-style decoder: RMSNorm, GQA, SwiGLU, rotary tables either computed
                  once before the layers or built by each layer as its own numpy constant
                  (as Hugging Face's Flax Llama does), a causal mask built once
+  bert           BERT-style post-LN encoder: q/k/v with biases, heads split by reshape, a
+                 padding mask built once and added in every layer, tied MLM head
+  mlp5           a 5-layer MLP written as a pure function over a list of dicts (the way
+                 equinox and plain-JAX users write one)
 """
 
 import dataclasses
@@ -510,6 +514,86 @@ def llama(batch_size=8, own_tables=False, layers=3) -> Case:
     return cross_entropy(model.apply({"params": p}, b["tokens"][:, :-1]), b["tokens"][:, 1:])
 
   return Case(loss_fn, params, {"tokens": tokens}, reference_loss_fn=loss_fn)
+
+
+# ---- BERT-style post-LN encoder --------------------------------------------------------------
+class BertLayer(nn.Module):
+  heads: int
+  d_ff: int
+  rate: float
+
+  @nn.compact
+  def __call__(self, x, mask_bias, train):
+    b, s, d = x.shape
+    drop = nn.Dropout(self.rate, deterministic=not train)
+    heads = lambda name: nn.Dense(d, name=name)(x).reshape(b, s, self.heads, d // self.heads)
+    q, k, v = heads("query"), heads("key"), heads("value")
+    w = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // self.heads) + mask_bias
+    w = drop(jax.nn.softmax(w, axis=-1))
+    out = jnp.einsum("bhqk,bkhd->bqhd", w, v).reshape(b, s, d)
+    x = nn.LayerNorm(name="attention_norm")(x + drop(nn.Dense(d, name="attention_out")(out)))
+    h = nn.gelu(nn.Dense(self.d_ff, name="intermediate")(x))
+    return nn.LayerNorm(name="output_norm")(x + drop(nn.Dense(d, name="output")(h)))
+
+
+class Bert(nn.Module):
+  vocab: int = 53
+  d: int = 64
+  layers: int = 3
+  heads: int = 4
+  d_ff: int = 128
+  rate: float = 0.1
+
+  @nn.compact
+  def __call__(self, tokens, attention_mask, train=True):
+    embed = nn.Embed(self.vocab, self.d, name="word_embeddings")
+    positions = self.param("position_embeddings", nn.initializers.normal(0.02),
+                           (tokens.shape[1], self.d))
+    x = nn.LayerNorm(name="embeddings_norm")(embed(tokens) + positions)
+    x = nn.Dropout(self.rate, deterministic=not train)(x)
+    # built once, read by every layer: 0 where a token is real, a large negative on padding
+    mask_bias = jnp.where(attention_mask[:, None, None, :] > 0, 0.0, -1e9)
+    for i in range(self.layers):
+      x = BertLayer(self.heads, self.d_ff, self.rate, name=f"layer_{i}")(x, mask_bias, train)
+    h = nn.LayerNorm(name="mlm_norm")(nn.gelu(nn.Dense(self.d, name="mlm_dense")(x)))
+    return embed.attend(h) + self.param("mlm_bias", nn.initializers.zeros, (self.vocab,))
+
+
+def bert(batch_size=8, layers=3, dropout=False) -> Case:
+  """Padding: each row's last few tokens are masked out (different counts per row)."""
+  model = Bert(layers=layers, rate=0.1 if dropout else 0.0)
+  tokens = jax.random.randint(jax.random.key(14), (batch_size, 16), 0, model.vocab)
+  lengths = 16 - jnp.arange(batch_size) % 5
+  attention_mask = (jnp.arange(16)[None, :] < lengths[:, None]).astype(jnp.int32)
+  params = model.init(jax.random.key(15), tokens, attention_mask, train=False)["params"]
+
+  def loss_fn(p, b):
+    logits = model.apply({"params": p}, b["tokens"], b["attention_mask"], train=dropout,
+                         rngs={"dropout": b["dropout"]} if dropout else {})
+    return cross_entropy(logits, b["tokens"])
+
+  batch = {"tokens": tokens, "attention_mask": attention_mask}
+  if dropout:
+    batch["dropout"] = jax.random.key(16)
+  return Case(loss_fn, params, batch, reference_loss_fn=loss_fn)
+
+
+# ---- a plain-JAX MLP -------------------------------------------------------------------------
+def mlp5(batch_size=16, width=64, layers=5) -> Case:
+  keys = jax.random.split(jax.random.key(17), layers)
+  params = [{"weight": jax.random.normal(k, (width, width)) / np.sqrt(width),
+             "bias": jnp.zeros(width)} for k in keys]
+
+  def loss_fn(p, b):
+    x = b["x"]
+    for i, layer in enumerate(p):
+      x = x @ layer["weight"] + layer["bias"]
+      x = jax.nn.relu(x) if i < len(p) - 1 else x
+    return jnp.mean((x - b["y"]) ** 2)
+
+  batch = {"x": jax.random.normal(jax.random.key(18), (batch_size, width)),
+           "y": jax.random.normal(jax.random.key(19), (batch_size, width))}
+  return Case(loss_fn, params, batch, reference_loss_fn=loss_fn)
 
 
 CASES = {"resnet_syncbn": resnet_syncbn, "encdec": encdec, "nnx_gqa": nnx_gqa,

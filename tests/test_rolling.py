@@ -497,8 +497,18 @@ def edge_blocks(num_layers=4, d=12):
 def test_odd_mixed_unused_integer_empty_and_cond_leaves_roll(n):
   loss, params, batch = edge_blocks()
   config = zjax.ZeroConfig(param_persistence_threshold=0)
-  schedule, _ = assert_parity(loss, params, batch, n=n, config=config, rtol=2e-2, atol=2e-3)
+  schedule, compiled = assert_parity(loss, params, batch, n=n, config=config, rtol=2e-2,
+                                     atol=2e-3)
   assert rolled_lengths(schedule) == [4]
+  # the integer leaf's bucket is not re-gathered in backward (the vjp does not read it),
+  # and the report counts exactly the collectives XLA keeps
+  (loop,) = [st for st in schedule.backward if st.op == ir.LOOP_OP]
+  regathered = {schedule.buckets[st.bucket].dtype for st in loop.body if st.op == "gather"}
+  assert "int32" not in regathered
+  report, compiled = schedule.report(), hlo.summarize(compiled)
+  for kind in ("all_gather", "reduce_scatter"):
+    assert (compiled[f"{kind}_count"], compiled[f"{kind}_bytes"]) == \
+        (report[f"{kind}_count"], report[f"{kind}_bytes"]), kind
   # bf16 leaves and their gradients round where XLA fuses, which differs inside a loop (one
   # bf16 ulp): bf16 tolerances, as against plain JAX above
   assert_rolled_equals_unrolled(loss, params, batch, config, rtol=2e-2, atol=2e-3)

@@ -54,6 +54,7 @@ class Loop:
   def read_steps(self, forward_step, backward_step):
     """What the loop steps say: the stacked buckets, prefetch, which are reduce-scattered."""
     self.buckets = [st.bucket for st in forward_step.body if st.op == "gather"]
+    self.regathered = [st.bucket for st in backward_step.body if st.op == "gather"]
     self.prefetch = {"forward": _prefetches(forward_step), "backward": _prefetches(backward_step)}
     self.scattered = {st.bucket for st in backward_step.body if st.op == "reduce_scatter"}
     # hpZ: buckets whose per-layer secondary shards forward keeps for backward's re-gathers
@@ -111,17 +112,19 @@ class Loop:
       env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
 
-  def gather_layer(self, shard_rows: dict, tie, phase: str = "forward", secondary=None):
+  def gather_layer(self, shard_rows: dict, tie, phase: str = "forward", secondary=None,
+                   buckets=None):
     """-> (param index -> its layer slice, bucket -> the layer's hpZ secondary shard),
     from this device's rows of the stacked shards (backward under hpZ: from `secondary`,
-    bucket -> the layer's secondary shard, over the shard axes only)."""
+    bucket -> the layer's secondary shard, over the shard axes only); every stacked bucket,
+    or those in `buckets`."""
     from_secondary = phase == "backward" and self.dp.secondary_partition
     if from_secondary:
       secondary, _ = lax.optimization_barrier((secondary, tie))
     else:
       shard_rows, _ = lax.optimization_barrier((shard_rows, tie))
     layers, kept = {}, {}
-    for b in self.buckets:
+    for b in self.buckets if buckets is None else buckets:
       members = self.dp.members[b]
       entries = [layout.layer_entry(self.dp.s.params[i]) for i in members]
       quantization = self.dp.gather_quantization(b, phase)
@@ -151,15 +154,18 @@ class Loop:
       out[b] = jnp.zeros((self.length, self.dp.s.replicas, wire.shape[0]), wire.dtype)
     return out
 
-  def scatter_layer(self, layer_grads: dict) -> dict:
-    """param index -> this device's chunk of the layer's gradient (mean over devices)."""
+  def scatter_layer(self, layer_grads: dict, buckets=None) -> dict:
+    """param index -> this device's chunk of the layer's gradient (mean over devices), of
+    every reduce-scattered stacked bucket or those in `buckets` (missing gradients: zeros)."""
     out = {}
-    for b in self.buckets:
+    for b in self.buckets if buckets is None else buckets:
       if b not in self.scattered:
         continue
       members = self.dp.members[b]
       entries = [layout.layer_entry(self.dp.s.params[i]) for i in members]
-      grads = [layer_grads[i].astype(self.dp.reduce_dtype(i)) for i in members]
+      grads = [layer_grads[i].astype(self.dp.reduce_dtype(i)) if i in layer_grads else
+               jnp.zeros(layout.layer_entry(self.dp.s.params[i]).shape,
+                         self.dp.reduce_dtype(i)) for i in members]
       chunks = collectives.reduce_scatter_bucket(
           grads, entries, self.dp.n, self.dp.storage_axes, self.dp.wire_dtype(members[0]),
           self.dp.mean_over, self.dp.reduce_quantization(b))
@@ -217,7 +223,7 @@ class Loop:
 
     def gather(i, tie):  # layer i's weights: from the stacked shards, or hpZ's secondary
       layers, _ = self.gather_layer(_read(shards, self.layer(i)), tie, "backward",
-                                    _read(kept, self.layer(i)))
+                                    _read(kept, self.layer(i)), self.regathered)
       return layers
 
     ct_carry, ct_ys = ct_outs[:self.num_carry], ct_outs[self.num_carry:]

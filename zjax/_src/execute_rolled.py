@@ -9,11 +9,12 @@ run's layer order.
 """
 
 import jax.numpy as jnp
+from jax import lax
 
-from zjax._src import offload
+from zjax._src import ir, loop_parts, offload
 from zjax._src import segments as seg_lib
 from zjax._src.errors import ScheduleMismatchError
-from zjax._src.execute_loop import Loop
+from zjax._src.execute_loop import Loop, _read, _write
 
 
 class RolledLoop(Loop):
@@ -42,6 +43,55 @@ class RolledLoop(Loop):
     self.replicated = [p for p in range(len(run.stacked)) if p not in self.gathered]
     self.inputs = list(run.consts) + list(run.carry_in)
     self.outputs = list(run.outputs)
+    self.parts = forward_step.parts and self._parts(forward_step, backward_step)
+    if not self.parts and set(self.regathered) != set(self.buckets):
+      self._check_unread(backward_step)
+
+  def read_steps(self, forward_step, backward_step):
+    super().read_steps(forward_step, backward_step)
+    if forward_step.parts:  # gathers inside the iteration, none ahead of it
+      self.buckets = sorted({st.bucket for st in forward_step.body if st.op == "gather"})
+      self.prefetch = {"forward": False, "backward": False}
+      self.bodies = {"forward": forward_step.body, "backward": backward_step.body}
+
+  def _check_unread(self, backward_step):
+    """A whole-layer backward body that leaves buckets out: only ones whose values the
+    iteration's backward does not use (else the recompute would read zeros)."""
+    dp, run = self.dp, self.run
+    members = {b: dp.members[b] for b in self.buckets}
+    bucket_of = {i: b for b, ids in members.items() for i in ids}
+    runner = loop_parts.part_runner(dp.program, run, members, dp.s.params, bucket_of)
+    body = [st for st in backward_step.body if st.op == "gather"]
+    body += [ir.Step(ir.RECOMPUTE_OP, part=p) for p in range(len(runner.parts))]
+    body += [ir.Step("compute", part=p) for p in reversed(range(len(runner.parts)))]
+    _, missing = loop_parts.unused_gathers(runner, body)
+    if missing:
+      path = dp.s.params[runner.gathered[sorted(missing)[0][2]]].path
+      raise ScheduleMismatchError(
+          f"Segment {self.segment}'s backward loop body does not re-gather {path}, but the "
+          f"backward iteration reads it. Add its bucket's gather (or recompile the schedule).")
+
+  def _parts(self, forward_step, backward_step) -> loop_parts.PartRunner:
+    """The layer's parts as the schedule cuts them; refused if this program cuts them
+    otherwise, or if the backward body lacks a gather whose values it uses."""
+    dp, run = self.dp, self.run
+    members = {b: dp.members[b] for b in self.buckets}
+    bucket_of = {i: b for b, ids in members.items() for i in ids}
+    runner = loop_parts.part_runner(dp.program, run, members, dp.s.params, bucket_of)
+    found = [(run.start + p.start, run.start + p.end) for p in runner.parts]
+    stored = [(p.start, p.end) for p in forward_step.parts]
+    if found != stored:
+      raise ScheduleMismatchError(
+          f"Segment {self.segment}'s loop cuts its layer into parts at ops {stored}, but this "
+          f"program's layer cuts at {found}. Recompile the schedule.")
+    _, missing = loop_parts.unused_gathers(runner, backward_step.body)
+    if missing:
+      op, part, q = sorted(missing)[0]
+      raise ScheduleMismatchError(
+          f"Segment {self.segment}'s backward loop body: {op} of part {part} reads "
+          f"{dp.s.params[runner.gathered[q]].path}, which is not gathered there. Gather its "
+          f"bucket before that step (or recompile the schedule).")
+    return runner
 
   def input_values(self, state) -> list:
     """consts, initial carries (zeros for one only carried out), per-layer scalars, then
@@ -69,6 +119,70 @@ class RolledLoop(Loop):
                                                           ct_inputs[first_stack:])
             if ct is not None]
 
+  # ---- a layer cut into parts (loop_parts.py) ------------------------------------------
+  def forward(self, shards: dict, inputs: list, anchor):
+    if not self.parts:
+      return super().forward(shards, inputs, anchor)
+    consts, carry, xs = self._split(inputs)
+    saved = [jnp.zeros((self.length,) + jnp.shape(c), jnp.result_type(c)) for c in carry]
+
+    def step(state, i):
+      carry, saved = state
+      ctx = self._context(consts, carry, _read(xs, i))
+      gather = lambda b, tie: self.gather_layer(_read(shards, i), tie, buckets=[b])[0]  # noqa
+      loop_parts.walk_forward(self.parts, self.bodies["forward"], ctx, gather,
+                              carry if carry else anchor)
+      new_carry = [ctx[("local", j, o)] for j, o in self.run.carry_out]
+      return (new_carry, _write(saved, i, carry)), None
+
+    (carry, saved), _ = lax.scan(step, (carry, saved), jnp.arange(self.length))
+    return carry, (consts, saved, xs, {})
+
+  def backward(self, shards: dict, residuals, ct_outs: list, anchor):
+    if not self.parts:
+      return super().backward(shards, residuals, ct_outs, anchor)
+    consts, saved, xs, _ = residuals
+    keys = [("local", j, o) for j, o in self.run.carry_out]
+    ct_consts = [jnp.zeros_like(c) if _is_float(c) else None for c in consts]
+    ct_xs = [jnp.zeros_like(x) if _is_float(x) else None for x in xs]
+    grads = {i: jnp.zeros(shards[i].shape, self.dp.reduce_dtype(i)) for i in self.trained}
+
+    def step(state, i):
+      ct_carry, ct_consts, ct_xs, grads = state
+      carry, x = _read(saved, i), _read(xs, i)
+      ctx = self._context(consts, carry, x)
+      cts = {k: c for k, c in zip(keys, ct_carry) if c is not None}
+      rows, chunks = _read(shards, i), {}
+
+      def gather(b, tie):
+        return self.gather_layer(rows, tie, "backward", buckets=[b])[0]
+
+      def scatter(b, layer_grads):
+        chunks.update(self.scatter_layer(layer_grads, buckets=[b]))
+
+      cts = loop_parts.walk_backward(self.parts, self.bodies["backward"], ctx, cts, gather,
+                                     scatter, next(iter(cts.values()), anchor))
+      ct_carry = [_ct(cts, ("carry", k), c) if _is_float(c) else None
+                  for k, c in enumerate(carry)]
+      ct_consts = [a if a is None else a + _ct(cts, ("const", k), a)
+                   for k, a in enumerate(ct_consts)]
+      ct_x = [None if a is None else _ct(cts, ("xs", k), a[0]) for k, a in enumerate(ct_xs)]
+      ct_xs = [a if a is None else lax.dynamic_update_index_in_dim(a, c.astype(a.dtype), i, 0)
+               for a, c in zip(ct_xs, ct_x)]
+      return (ct_carry, ct_consts, ct_xs, _write(grads, i, chunks)), None
+
+    ct_carry = [c if _is_float(c) else None for c in ct_outs]
+    state = (ct_carry, ct_consts, ct_xs, grads)
+    (ct_carry, ct_consts, ct_xs, grads), _ = lax.scan(step, state, jnp.arange(self.length),
+                                                      reverse=True)
+    return list(ct_consts) + list(ct_carry) + list(ct_xs), grads
+
+  def _context(self, consts, carry, x) -> dict:
+    ctx = {("const", k): v for k, v in enumerate(consts)}
+    ctx.update((("carry", k), v) for k, v in enumerate(carry))
+    ctx.update((("xs", k), v) for k, v in enumerate(x))
+    return ctx
+
   def body(self, layers: dict, inputs: list):
     """The first layer's ops on this iteration's values -> (carry out, no ys)."""
     consts = inputs[:self.num_consts]
@@ -93,5 +207,18 @@ class RolledLoop(Loop):
     if kind == "xs":
       return xs[where]
     if where in self.gathered:  # "layer": this layer's parameter
-      return layers[self.gathered[where]]
+      i = self.gathered[where]
+      if i not in layers:  # not re-gathered in backward: unread (the planner's analysis)
+        entry = self.dp.s.params[i]
+        return jnp.zeros(entry.layer_shape, self.dp.compute_dtype(i))
+      return layers[i]
     return xs[len(self.run.xs) + self.replicated.index(where)]
+
+
+def _is_float(x) -> bool:
+  return x is not None and ir.is_float(jnp.result_type(x))
+
+
+def _ct(cts, key, like):
+  """The cotangent a context value received, or zeros like it."""
+  return cts[key].astype(jnp.result_type(like)) if key in cts else jnp.zeros_like(like)

@@ -46,6 +46,9 @@ FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # version 1: no loops, no stacked parameters
 FORWARD_OPS = ("gather", "compute", "release", "keep_secondary")
 BACKWARD_OPS = ("gather", "compute", "release", "reduce_scatter", "drop_secondary")
+# in a rolled loop's backward body cut into parts (loop_parts.py): a part's forward rerun
+# under vjp, before the parts' vjps run in reverse
+RECOMPUTE_OP = "recompute"
 LOOP_OP = "loop"
 
 
@@ -161,13 +164,20 @@ class Step:
   prefetch: bool = False
   length: int = 0  # loop: trip count
   body: tuple = ()  # loop: the steps run once per iteration
+  # a rolled loop whose layer is cut into parts (loop_parts.py): the parts (Segments over
+  # the first layer's ops; ids 0..); compute / recompute steps of its body name a part
+  parts: tuple = ()
+  part: int | None = None
 
   def to_dict(self) -> dict:
-    if self.op == "compute":
-      return {"op": "compute", "segment": self.segment}
+    if self.op in ("compute", RECOMPUTE_OP):
+      out = {"op": self.op, "segment": self.segment}
+      return out if self.part is None else {**out, "part": self.part}
     if self.op == LOOP_OP:
-      return {"op": LOOP_OP, "segment": self.segment, "length": self.length,
-              "body": [st.to_dict() for st in self.body]}
+      out = {"op": LOOP_OP, "segment": self.segment, "length": self.length,
+             "body": [st.to_dict() for st in self.body]}
+      return out if not self.parts else {**out, "parts": [dataclasses.asdict(p)
+                                                          for p in self.parts]}
     out = {"op": self.op, "bucket": self.bucket}
     if self.op == "gather":
       out["prefetch"] = self.prefetch

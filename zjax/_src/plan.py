@@ -36,7 +36,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from zjax._src import ir, loops, roll
+from zjax._src import ir, loop_parts, loops, roll
 from zjax._src import segments as seg_lib
 from zjax._src.config import ZeroConfig
 from zjax._src.errors import ScheduleError
@@ -121,6 +121,22 @@ def plan_schedule(trace: ProgramTrace, config: ZeroConfig, axis_sizes: dict[str,
 
 
 def _plan(trace, config, axis_sizes, frozen, platform) -> Schedule:
+  rolling = None
+  while True:
+    try:
+      return _plan_with(trace, config, axis_sizes, frozen, platform, rolling)
+    except _DoNotRoll as e:  # plan that run unrolled, and say why
+      rolling = roll.Rolling(tuple(r for r in e.rolling.runs if r is not e.run),
+                             e.rolling.notes + (e.reason,))
+
+
+class _DoNotRoll(Exception):
+  def __init__(self, rolling, run, reason):
+    super().__init__(reason)
+    self.rolling, self.run, self.reason = rolling, run, reason
+
+
+def _plan_with(trace, config, axis_sizes, frozen, platform, rolling) -> Schedule:
   num_devices = int(np.prod([axis_sizes[a] for a in config.storage_axes], dtype=np.int64))
   replica_sizes = tuple(axis_sizes[a] for a in config.replicate_axes)
   shard_sizes = tuple(axis_sizes[a] for a in config.shard_axes)
@@ -128,7 +144,8 @@ def _plan(trace, config, axis_sizes, frozen, platform) -> Schedule:
                 if num_devices == 1 or p.size <= config.param_persistence_threshold}
   sharded = {p.index for p in trace.params if p.index not in persistent}
   stacked = loops.stacked_params(trace.program, trace.params, sharded)
-  rolling = _find_rolling(trace, config, persistent, frozen, set(stacked.values()))
+  if rolling is None:
+    rolling = _find_rolling(trace, config, persistent, frozen, set(stacked.values()))
   layers_of = {run.stacked[p][0]: run.stacked[p] for run in rolling.runs
                for p in range(len(run.stacked)) if run.stacked[p][0] in sharded}
   groups = _group_buckets(trace, persistent, frozen, stacked, layers_of)
@@ -158,13 +175,111 @@ def _plan(trace, config, axis_sizes, frozen, platform) -> Schedule:
               for *_, members in groups]
   lengths = {b: len(buckets[b].layers) or entries[members[0]].shape[0]
              for b, (*_, members) in enumerate(groups) if buckets[b].stacked}
-  forward, backward = _StepPlanner(segments, elements, buckets, config, lengths).plan()
+  bodies = {}
+  for run in rolling.runs:
+    k = next(seg.id for seg in segments if seg.start == run.start)
+    bodies[k] = _rolled_body(trace, run, segments[k], buckets, elements, bucket_of,
+                             entries, config, rolling)
+  forward, backward = _StepPlanner(segments, elements, buckets, config, lengths,
+                                   bodies).plan()
   return Schedule(num_devices=num_devices, platform=platform, replica_sizes=replica_sizes,
                   shard_sizes=shard_sizes, config=config,
                   num_ops=len(trace.ops),
                   program_hash=program_hash(o.primitive for o in trace.ops), params=entries,
                   buckets=buckets, segments=segments, forward=forward, backward=backward,
                   rolling=rolling.notes)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RolledBody:
+  """A rolled loop's per-iteration steps when its layer is cut into parts."""
+  parts: tuple  # ir.Segment per part
+  forward: tuple  # body steps
+  backward: tuple
+  need: int  # peak gathered elements inside an iteration
+  # a whole-layer loop (no parts): buckets without gradient whose values its backward
+  # iteration does not use (an integer leaf's): not re-gathered (XLA would delete them)
+  unread: frozenset = frozenset()
+
+
+def _rolled_body(trace, run, seg, buckets, elements, bucket_of, entries, config, rolling):
+  """The run's layer planned part by part, as the unrolled planner plans segments (the same
+  knobs; what the segments around the loop keep gathered through it counts against
+  max_live_parameters); None when one whole layer gathered at once is what that plan says
+  (the loop gathers it as one, prefetching the next layer where the knobs allow)."""
+  stacked = [b for b in seg.buckets if buckets[b].stacked]
+  members = {b: [i for i in range(len(entries)) if bucket_of.get(i) == b
+                 and trace.params[i].path in buckets[b].params] for b in stacked}
+  runner = loop_parts.part_runner(trace.program, run, members, entries, bucket_of)
+  position_bucket = {q: bucket_of[i] for q, i in runner.gathered.items()}
+  parts = tuple(ir.Segment(
+      id=p, start=run.start + io.start, end=run.start + io.end,
+      buckets=tuple(sorted({position_bucket[q] for q in io.positions})),
+      backward_buckets=loop_parts.backward_reads(runner, p, position_bucket),
+      label=trace.ops[run.start + io.start].module) for p, io in enumerate(runner.parts))
+  around = sum(elements[b] for b in seg.buckets if not buckets[b].stacked)
+  inner_config = dataclasses.replace(config, max_live_parameters=max(
+      config.max_live_parameters - around, 0))
+  flat = tuple(dataclasses.replace(b, stacked=False) for b in buckets)
+  try:
+    forward, backward = _StepPlanner(parts, elements, flat, inner_config).plan()
+  except ScheduleError as e:
+    raise ScheduleError(f"In the rolled layers {roll.layer_names(trace.params, run)}: {e}"
+                        ) from None
+  # every bucket gathered before the first part and none again in backward: the peak is one
+  # whole layer either way, and the whole-layer loop may prefetch the next layer
+  first_compute = next(k for k, st in enumerate(forward) if st.op == "compute")
+  if not any(st.op == "gather" for st in forward[first_compute:] + backward):
+    return _RolledBody((), (), (), 0, _unread_in_backward(runner, parts, stacked, buckets))
+  if config.secondary_partition:
+    raise _DoNotRoll(rolling, run, (
+        f"not rolled: {roll.layer_names(trace.params, run)} would gather each layer part by "
+        f"part under these knobs, which hpZ (secondary_partition) does not support in a "
+        f"loop; planned unrolled"))
+  kept = [b for b in stacked if not any(st.op == "release" and st.bucket == b
+                                        for st in forward)]
+  as_part = lambda st, op=None: dataclasses.replace(  # noqa: E731
+      st, op=op or st.op, segment=seg.id, part=st.segment) if st.op == "compute" else st
+  forward_body = tuple(as_part(st) for st in forward) + tuple(
+      ir.Step("release", bucket=b) for b in sorted(kept))
+  backward_body = [as_part(st, ir.RECOMPUTE_OP) for st in forward]
+  backward_body += [as_part(st) for st in backward]
+  unused, _ = loop_parts.unused_gathers(runner, backward_body)
+  backward_body = _without_gathers(backward_body, unused)
+  need = max(_peak(forward_body, elements), _peak(backward_body, elements))
+  return _RolledBody(parts, forward_body, tuple(backward_body), need)
+
+
+def _unread_in_backward(runner, parts, stacked, buckets) -> frozenset:
+  body = [ir.Step("gather", bucket=b) for b in stacked]
+  body += [ir.Step(ir.RECOMPUTE_OP, part=p.id) for p in parts]
+  body += [ir.Step("compute", part=p.id) for p in reversed(parts)]
+  unused, _ = loop_parts.unused_gathers(runner, body)
+  return frozenset(stacked[k] for k in unused if not ir.has_gradient(buckets[stacked[k]]))
+
+
+def _without_gathers(body, unused) -> list:
+  """The body without the gathers at `unused` and the releases that close them."""
+  out, closing = [], set()
+  for k, st in enumerate(body):
+    if k in unused:
+      closing.add(st.bucket)
+    elif st.op == "release" and st.bucket in closing:
+      closing.discard(st.bucket)
+    else:
+      out.append(st)
+  return out
+
+
+def _peak(body, elements) -> int:
+  live, peak = set(), 0
+  for st in body:
+    if st.op == "gather":
+      live.add(st.bucket)
+    elif st.op == "release":
+      live.discard(st.bucket)
+    peak = max(peak, sum(elements[b] for b in live))
+  return peak
 
 
 def _find_rolling(trace, config, persistent, frozen, loop_ops) -> roll.Rolling:
@@ -348,7 +463,8 @@ class _Interval:
 
 class _StepPlanner:
 
-  def __init__(self, segments, elements, buckets, config: ZeroConfig, lengths=None):
+  def __init__(self, segments, elements, buckets, config: ZeroConfig, lengths=None,
+               bodies=None):
     self.k = len(segments)
     self.elements = elements
     self.buckets = buckets
@@ -358,7 +474,11 @@ class _StepPlanner:
     self.segments = tuple(dataclasses.replace(
         seg, buckets=self._regular(seg.buckets), backward_buckets=self._regular(
             seg.backward_buckets)) for seg in segments)
-    self.loop_need = [sum(elements[b] for b in seg.buckets if buckets[b].stacked)
+    # rolled loops cut into parts: segment -> _RolledBody (None: one whole layer at once)
+    self.unread = {k: body.unread for k, body in (bodies or {}).items()}
+    self.bodies = {k: body for k, body in (bodies or {}).items() if body.parts}
+    self.loop_need = [self.bodies[seg.id].need if seg.id in self.bodies else
+                      sum(elements[b] for b in seg.buckets if buckets[b].stacked)
                       for seg in segments]  # one layer of every stacked bucket
     lengths = lengths or {}
     work = [sum(elements[b] * (lengths.get(b, 1)) for b in seg.buckets) for seg in segments]
@@ -410,7 +530,8 @@ class _StepPlanner:
   def _check_segments_fit(self):
     cap = self.config.max_live_parameters
     for seg in self.full_segments:
-      need = sum(self.elements[b] for b in seg.buckets)
+      regular = self.segments[seg.id].buckets  # a loop's stacked ones count as loop_need
+      need = self.loop_need[seg.id] + sum(self.elements[b] for b in regular)
       if need > cap:
         names = "; ".join(f"bucket {b} ({self.buckets[b].module}: {self.elements[b]} elements)"
                           for b in seg.buckets)
@@ -543,9 +664,15 @@ class _StepPlanner:
     stacked = [b for b in self.full_segments[k].buckets if self.buckets[b].stacked]
     if not stacked:
       return ir.Step("compute", segment=k)
+    if k in self.bodies:  # cut into parts: no prefetch across iterations
+      body = self.bodies[k]
+      return ir.Step(ir.LOOP_OP, segment=k, length=self.lengths[stacked[0]], parts=body.parts,
+                     body=body.forward if phase == "forward" else body.backward)
     need = self.loop_need[k]
     prefetch = (self.lengths[stacked[0]] > 1 and need <= self.config.prefetch_bucket_size
                 and live + need <= self.config.max_live_parameters)
+    if phase == "backward":  # re-gather what the backward iteration reads
+      stacked = [b for b in stacked if b not in self.unread.get(k, ())]
     body = [ir.Step("gather", bucket=b, prefetch=prefetch) for b in stacked]
     if self.config.secondary_partition:  # hpZ: every layer's secondary, kept until backward
       op = "keep_secondary" if phase == "forward" else "drop_secondary"

@@ -92,7 +92,7 @@ def find_runs(program: FlatProgram, params: list[ParamFacts], excluded=frozenset
       covered |= ops
   chosen.sort(key=lambda r: r.start)
   notes = [f"rolled ops [{r.start}, {r.end}): {r.length} layers of {r.block} ops "
-           f"({_layer_names(params, r)})" for r in chosen]
+           f"({layer_names(params, r)})" for r in chosen]
   reasons = sorted({why for (start, end), why in rejected.items()
                     if why and not set(range(start, end)) <= covered})
   notes += reasons[:_MAX_REASONS] + ([f"... and {len(reasons) - _MAX_REASONS} more reasons"]
@@ -112,7 +112,7 @@ def analyze_run(program: FlatProgram, params: list[ParamFacts], start: int, bloc
   return run
 
 
-def _layer_names(params, run) -> str:
+def layer_names(params, run) -> str:
   """The first and last layer, named by the common path prefix of their parameters."""
   def prefix(layer):
     paths = [params[layers[layer]].path for layers in run.stacked]
@@ -154,6 +154,13 @@ class _Finder:
       self.sigs[k] = -1 - k
     self.consts = dict(zip(program.const_ids, program.consts))
 
+  def where(self, k) -> str:
+    """Op k in the model's terms: its number and, where traced, its module."""
+    if k >= len(self.ops):
+      return "the program's result"
+    module = self.ops[k].module
+    return f"op {k} in {module}" if module else f"op {k}"
+
   def neighbours(self, run, covered) -> list[str]:
     """Notes on layers just before or after a run that look like its layers (the same
     parameter names up to numbers) but were not rolled with it: their ops differ."""
@@ -167,7 +174,7 @@ class _Finder:
                       if isinstance(a, int) and a in self.param_of})
       similar = [p for p in paths if _numberless(p) in pattern]
       if similar:
-        out.append(f"not rolled with {_layer_names(self.params, run)}: the layer of "
+        out.append(f"not rolled with {layer_names(self.params, run)}: the layer of "
                    f"{similar[0]} runs other ops or shapes")
     return out
 
@@ -303,11 +310,12 @@ class _Wiring:
     for j, op in enumerate(self.template):
       other = self.f.ops[base + j]
       if self.f.sigs[base + j] != self.f.sigs[self.start + j]:
-        return f"op {base + j} ({other.primitive}) of layer {layer}: other ops or shapes"
+        return (f"{self.f.where(base + j)} ({other.primitive}) of layer {layer}: other ops "
+                f"or shapes than {self.f.where(self.start + j)} in the first")
       for q, (a, b) in enumerate(zip(op.inputs, other.inputs)):
         why = self._match(j, q, a, b, layer, layer_params, literal_values)
         if why:
-          return f"op {base + j} ({other.primitive}) of layer {layer}: {why}"
+          return f"{self.f.where(base + j)} ({other.primitive}) of layer {layer}: {why}"
     self.per_layer.append(layer_params)
     self.literals.append(literal_values)
     return ""
@@ -381,7 +389,8 @@ class _Wiring:
       values = [self.literals[layer][(j, q)] for layer in range(length)]
       if any(not np.array_equal(v, values[0]) for v in values):
         if any(np.ndim(v) for v in values):
-          return f"a constant array differs between layers (op {self.start + j})"
+          return (f"a constant array differs between layers "
+                  f"({self.f.where(self.start + j)})")
         xs_pos[(j, q)] = len(xs)
         xs.append(np.stack(values))
     consts, const_pos = [], {}
@@ -445,8 +454,8 @@ class _Wiring:
               carry_pos[(j, o)] = len(carry_in)
               carry_in.append(None)
             continue
-          return (f"a value of layer {layer} (op {base + j}) is read by op {reader}, "
-                  f"outside the next layer")
+          return (f"a value of layer {layer} ({self.f.where(base + j)}) is read by "
+                  f"{self.f.where(reader)}, outside the next layer")
     return ""
 
 

@@ -340,10 +340,13 @@ def _parse_step(s, i, phase, config, buckets, in_loop=False) -> ir.Step:
   op = _field(s, "op", str, where)
   if op == ir.LOOP_OP and not in_loop:
     body = _field(s, "body", list, where)
+    parts = s.get("parts", [])
+    _expect(isinstance(parts, list), f"{where}: parts must be a list of segments")
     return ir.Step(ir.LOOP_OP, segment=_field(s, "segment", int, where),
                    length=_field(s, "length", int, where),
                    body=tuple(_parse_step(b, j, f"{phase} step {i} body", config, buckets,
-                                          True) for j, b in enumerate(body)))
+                                          True) for j, b in enumerate(body)),
+                   parts=tuple(_parse_segment(p, j) for j, p in enumerate(parts)))
   # the axes a collective spans follow from the config; a file that says otherwise was
   # edited (or made for another mesh layout)
   for key, expected in ir.collective_axes(op, phase.split()[0], config).items():
@@ -352,8 +355,10 @@ def _parse_step(s, i, phase, config, buckets, in_loop=False) -> ir.Step:
               f"config (shard_axes, replicate_axes, secondary_partition), not {s[key]}; "
               f"change the config, not the step")
   _expect(op != ir.LOOP_OP, f"{where}: loops do not nest (a loop step inside a loop body)")
-  if op == "compute":
-    return ir.Step("compute", segment=_field(s, "segment", int, where))
+  if op in ("compute", ir.RECOMPUTE_OP):
+    part = _field(s, "part", int, where) if "part" in s or op == ir.RECOMPUTE_OP else None
+    _expect(in_loop or part is None, f"{where}: only a rolled loop's body steps name a part")
+    return ir.Step(op, segment=_field(s, "segment", int, where), part=part)
   prefetch = _field(s, "prefetch", bool, where) if op == "gather" else False
   step = ir.Step(op, bucket=_field(s, "bucket", int, where), prefetch=prefetch)
   _check_quantized(s, step, phase.split()[0], config, buckets, where)

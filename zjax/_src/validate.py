@@ -334,6 +334,11 @@ class _Simulator:
       raise ScheduleError(f"{where}: a rolled loop's segment must hold only rolled buckets "
                           f"and a whole number of layers ({step.length} layers, ops "
                           f"[{seg.start}, {seg.end})).")
+    if step.parts:
+      return self._parted_loop(step, phase, where, expected, stacked)
+    if phase == "backward":  # buckets without gradient may be left out (not read)
+      gathered = {st.bucket for st in step.body if st.op == "gather"}
+      stacked = [b for b in stacked if b in gathered or ir.has_gradient(self.s.buckets[b])]
     expected_body = self._loop_body_ops(stacked, k, phase)
     found = [(st.op, st.segment if st.op == "compute" else st.bucket) for st in step.body]
     if found != expected_body:
@@ -365,6 +370,64 @@ class _Simulator:
                             f"Set the body's gathers to prefetch: false or raise the cap.")
     return peak
 
+  def _parted_loop(self, step, phase, where, expected, stacked) -> int:
+    """A rolled loop whose layer is cut into parts (loop_parts.py): forward computes the
+    parts in order; backward recomputes them in order, then computes their vjps in reverse;
+    each part's buckets (backward: the ones its vjp reads) are live when it computes; every
+    stacked bucket is released by the end of the body, and in backward each trained one is
+    reduce-scattered once after its last use. Returns the peak live bytes inside."""
+    seg, parts = self.s.segments[step.segment], step.parts
+    layer_end = seg.start + (seg.end - seg.start) // step.length
+    if [p.id for p in parts] != list(range(len(parts))) or parts[0].start != seg.start or \
+        parts[-1].end != layer_end or any(a.end != b.start for a, b in zip(parts, parts[1:])):
+      raise ScheduleError(f"{where}: the loop's parts must be numbered 0.. and cut its first "
+                          f"layer, ops [{seg.start}, {layer_end}), into consecutive ranges.")
+    order = list(range(len(parts)))
+    wanted = {"forward": [("compute", p) for p in order],
+              "backward": [("recompute", p) for p in order] +
+                          [("compute", p) for p in reversed(order)]}[phase]
+    found = [(st.op, st.part) for st in step.body if st.op in ("compute", "recompute")]
+    if found != wanted:
+      raise ScheduleError(f"{where}: the body computes parts {found}; it must be {wanted}.")
+    if any(st.segment != seg.id for st in step.body if st.op in ("compute", "recompute")):
+      raise ScheduleError(f"{where}: body compute steps must name the loop's segment {seg.id}.")
+    self._check_order(seg, phase, where, expected)
+    needed = seg.buckets if phase == "forward" else seg.backward_buckets
+    for b in needed:  # what the segments around keep gathered through the loop
+      if not self.s.buckets[b].stacked and b not in self.live:
+        raise ScheduleError(f"{where}: the loop needs {describe_bucket(self.s, b)} in every "
+                            f"iteration, but it is not gathered. Gather it before the loop.")
+    self.in_loop, peak, self.body_grad_peak = True, 0, 0
+    for j, st in enumerate(step.body):
+      inner = f"{where} body step {j}"
+      if st.op == "recompute":
+        pass  # weights it reads but that are not gathered are provably unused (planner)
+      elif st.op == "compute":
+        part = parts[st.part]
+        needed = part.buckets if phase == "forward" else part.backward_buckets
+        missing = [b for b in needed if b not in self.live]
+        if missing:
+          raise ScheduleError(f"{inner}: part {part.id} ({part.label}) needs "
+                              f"{describe_bucket(self.s, missing[0])}, which is not gathered. "
+                              f"Insert a gather of bucket {missing[0]} before this step.")
+        if phase == "backward":
+          self.pending_grad.update(b for b in part.buckets
+                                   if ir.has_gradient(self.s.buckets[b]))
+      else:
+        self._check_step_fields(st, phase, inner)
+        getattr(self, "_" + st.op)(st.bucket, phase, inner)
+      peak = max(peak, sum(self.bytes[b] for b in self.live))
+      self.body_grad_peak = max(self.body_grad_peak,
+                                sum(self.grad_bytes[b] for b in self.pending_grad))
+    self.in_loop = False
+    left = [b for b in stacked if b in self.live or b in self.pending_grad]
+    if left:
+      raise ScheduleError(f"{where}: {describe_bucket(self.s, left[0])} is still gathered or "
+                          f"its gradient not reduce-scattered at the end of the body; every "
+                          f"iteration must release (and in backward reduce-scatter) its "
+                          f"layer.")
+    return peak
+
   def _loop_body_ops(self, stacked, k, phase) -> list[tuple[str, int]]:
     ops = [("gather", b) for b in stacked]
     if self.s.config.secondary_partition:
@@ -387,15 +450,20 @@ class _Simulator:
       raise ScheduleError(f"{where}: {step.op} names bucket {step.bucket!r}; buckets are "
                           f"0..{len(self.s.buckets) - 1}.")
 
-  def _compute(self, step, phase, where, expected):
-    seg = self.s.segments[step.segment]
+  def _check_order(self, seg, phase, where, expected):
     if not expected or expected[0] != seg.id:
       raise ScheduleError(f"{where}: computes segment {seg.id} but the next {phase} segment is "
                           f"{expected[0] if expected else 'none'}; segments run in program "
                           f"order (backward: reverse order), each once.")
     expected.pop(0)
+
+  def _compute(self, step, phase, where, expected):
+    seg = self.s.segments[step.segment]
+    self._check_order(seg, phase, where, expected)
     needed = seg.buckets if phase == "forward" else seg.backward_buckets
     for b in needed:
+      if self.in_loop and phase == "backward" and not ir.has_gradient(self.s.buckets[b]):
+        continue  # left out where unread (the executor checks that against the program)
       if b not in self.live:
         when = self.released_at.get(b)
         why = (f"it was released at {when} before this use (release before last use)"

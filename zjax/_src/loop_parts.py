@@ -1,0 +1,307 @@
+"""The parts of a rolled layer: its ops cut sub-module by sub-module, so that a rolled loop
+gathers, releases and prefetches inside each iteration as the unrolled planner does
+between segments (`max_live_parameters`, `prefetch_bucket_size`, `max_reuse_distance`).
+
+A part is a run of the first layer's ops (roll.Run's template) that starts where a bucket
+not in use yet is needed, as segments do (plan.py). Each iteration of the forward loop
+walks the body's steps: gather a bucket of this layer, compute a part, release. The
+backward loop's body first recomputes the layer part by part (each part under `jax.vjp`,
+its gathered weights stripped from the saved residuals, as segments are), then applies
+the parts' vjps in reverse, re-gathering the buckets that were released, and
+reduce-scatters each bucket's layer gradient after its last use.
+
+What runs is pure code over callbacks (gather, scatter), shared by the planner and the
+executor: the planner traces the backward body with every gather as an input and drops the
+gathers that JAX's dead-code elimination (what jit applies) finds unused, so the schedule
+says exactly which collectives the compiled program keeps.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax._src.interpreters import partial_eval as pe  # JAX's own DCE (as segments.py)
+
+from zjax._src import ir
+from zjax._src import segments as seg_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class PartIO:
+  """What part p of the template reads from outside itself and defines for later."""
+  start: int  # template op range [start, end)
+  end: int
+  positions: tuple[int, ...]  # gathered stacked positions (weights) its ops read
+  inputs: tuple  # context keys: ("local", j, o) (an earlier part's), ("const"|"carry"|"xs", k)
+  outputs: tuple  # ("local", j, o) it defines that later ops read or the loop carries out
+
+
+def cut(run, gathered_bucket: dict) -> list[tuple[int, int]]:
+  """Template op ranges of the parts: a part starts where an op reads a bucket that the
+  current part does not use (`gathered_bucket`: stacked position -> its bucket)."""
+  ranges, start, current = [], 0, set()
+  for j, sources in enumerate(run.sources):
+    needed = {gathered_bucket[s[1]] for s in sources
+              if s[0] == "layer" and s[1] in gathered_bucket}
+    if current and needed and not needed <= current:
+      ranges.append((start, j))
+      start, current = j, set()
+    current |= needed
+  ranges.append((start, len(run.sources)))
+  return ranges
+
+
+def part_runner(program, run, members, entries, bucket_of) -> "PartRunner":
+  """The PartRunner of a rolled run (shared with the executor): members[b] are bucket b's
+  layer-0 parameter indices, bucket_of maps a layer-0 parameter to its bucket."""
+  template = program.ops[run.start:run.start + run.block]
+  sharded = {p: layers[0] for p, layers in enumerate(run.stacked)
+             if not entries[layers[0]].persistent}
+  replicated = [p for p in range(len(run.stacked)) if p not in sharded]
+  bucket_of_position = {p: bucket_of[i] for p, i in sharded.items()}
+  ranges = cut(run, bucket_of_position)
+  avals = {}
+  for j, sources in enumerate(run.sources):
+    for q, src in enumerate(sources):
+      if src[0] == "layer" and src[1] in sharded:
+        avals[src[1]] = template[j].eqn.invars[q].aval
+  trained = {i for i in sharded.values() if ir.has_gradient(entries[i])}
+  return PartRunner(run, template, ranges, sharded, replicated, members, trained, avals)
+
+
+class PartRunner:
+  """Runs the template's parts on one iteration's values (concrete or abstract)."""
+
+  def __init__(self, run, template, ranges, gathered: dict, replicated: list, members,
+               trained: set, weight_avals: dict):
+    """gathered: stacked position -> layer-0 parameter index (gathered per iteration);
+    replicated: positions read whole from the xs (persistent); members: bucket -> its
+    layer-0 parameter indices; trained: parameter indices that get a gradient;
+    weight_avals: position -> the weight's shape and dtype (as gathered)."""
+    self.run, self.template = run, template
+    self.gathered, self.replicated, self.members = gathered, replicated, members
+    self.trained, self.weight_avals = trained, weight_avals
+    self.parts = [self._io(a, b) for a, b in ranges]
+
+  def _io(self, a, b) -> PartIO:
+    positions, inputs = [], []
+    for sources in self.run.sources[a:b]:
+      for src in sources:
+        key = self.context_key(src)
+        if key is None:
+          if src[0] == "layer" and src[1] not in positions:
+            positions.append(src[1])
+        elif not (key[0] == "local" and a <= key[1] < b) and key not in inputs:
+          inputs.append(key)
+    later = {self.context_key(s) for sources in self.run.sources[b:] for s in sources}
+    later |= {("local", j, o) for j, o in self.run.carry_out}
+    outputs = [("local", j, o) for j in range(a, b)
+               for o in range(len(self.template[j].outputs)) if ("local", j, o) in later]
+    return PartIO(a, b, tuple(positions), tuple(inputs), tuple(outputs))
+
+  def context_key(self, src):
+    """Where an op input comes from in the iteration's context; None for literals and
+    gathered weights."""
+    kind = src[0]
+    if kind == "local":
+      return src
+    if kind in ("const", "carry", "xs"):
+      return (kind, src[1])
+    if kind == "layer" and src[1] not in self.gathered:
+      return ("xs", len(self.run.xs) + self.replicated.index(src[1]))
+    return None
+
+  def part_fn(self, p):
+    """(weights: position -> value, [values of part.inputs]) -> [values of part.outputs]."""
+    part = self.parts[p]
+
+    def run(weights, inputs):
+      env = dict(zip(part.inputs, inputs))
+      for j in range(part.start, part.end):
+        args = []
+        for src in self.run.sources[j]:
+          key = self.context_key(src)
+          args.append(src[1] if src[0] == "lit" else weights[src[1]] if key is None
+                      else env[key])
+        env.update((("local", j, o), v) for o, v in
+                   enumerate(seg_lib.apply_op(self.template[j], args)))
+      return [env[key] for key in part.outputs]
+    return run
+
+  def forward(self, p, weights, ctx):
+    outs = self.part_fn(p)(weights, [ctx[k] for k in self.parts[p].inputs])
+    ctx.update(zip(self.parts[p].outputs, outs))
+
+  def vjp(self, p, weights, ctx):
+    """Part p under jax.vjp with respect to its trained weights and float inputs ->
+    (outputs, vjp_fn, backward(vjp_fn, output cts) -> (weight cts by position, input cts
+    by context key))."""
+    part, run = self.parts[p], self.part_fn(p)
+    diff_w = [q for q in part.positions if self.gathered[q] in self.trained]
+    values = [ctx[k] for k in part.inputs]
+    diff_in = [i for i, v in enumerate(values) if _is_float(v)]
+
+    def f(w, xs):
+      all_in = list(values)
+      for i, x in zip(diff_in, xs):
+        all_in[i] = x
+      return run({**weights, **dict(zip(diff_w, w))}, all_in)
+
+    outs, vjp_fn = jax.vjp(f, [weights[q] for q in diff_w], [values[i] for i in diff_in])
+
+    def backward(vjp_fn, cts):
+      ct_w, ct_in = vjp_fn(cts)
+      return dict(zip(diff_w, ct_w)), {part.inputs[i]: c for i, c in zip(diff_in, ct_in)}
+    return outs, vjp_fn, backward
+
+  def weights(self, p, layers, placeholder=None) -> dict:
+    """Position -> this layer's gathered weight; where its bucket is not gathered, zeros
+    (the planner proved the value unused: dead code that XLA deletes), or placeholder(q)."""
+    out = {}
+    for q in self.parts[p].positions:
+      i, aval = self.gathered[q], self.weight_avals[q]
+      out[q] = layers[i] if i in layers else (
+          placeholder(q) if placeholder else jnp.zeros(aval.shape, aval.dtype))
+    return out
+
+
+def walk_forward(runner, body, ctx, gather, tie):
+  """One forward iteration: the body's steps in order; `ctx` (context key -> value) gains
+  every part's outputs. gather(bucket, tie) -> {layer-0 param index: this layer's value}."""
+  layers = {}
+  for st in body:
+    if st.op == "gather":
+      layers.update(gather(st.bucket, tie))
+    elif st.op == "release":
+      layers = _released(runner, layers, st.bucket)
+    elif st.op == "compute":
+      runner.forward(st.part, runner.weights(st.part, layers), ctx)
+      tie = _last_output(runner, st.part, ctx, tie)
+  return ctx
+
+
+def walk_backward(runner, body, ctx, cts, gather, scatter, tie, placeholder=None):
+  # placeholder(op, part, position) stands in for a weight whose bucket is not gathered
+  """One backward iteration: recompute steps run a part under vjp (its saved residuals
+  without gathered weights), compute steps apply it, re-gathering where the body says;
+  scatter(bucket, {param index: layer gradient}) at each reduce-scatter. cts: context key
+  -> cotangent (the carried-out values' on entry; every input's on return)."""
+  layers, saved, grads = {}, {}, {}
+  for st in body:
+    if st.op == "gather":
+      layers.update(gather(st.bucket, tie))
+    elif st.op == "release":
+      layers = _released(runner, layers, st.bucket)
+    elif st.op == "recompute":
+      weights = runner.weights(st.part, layers, _hole(placeholder, st))
+      outs, vjp_fn, backward = runner.vjp(st.part, weights, ctx)
+      ctx.update(zip(runner.parts[st.part].outputs, outs))
+      saved[st.part] = (seg_lib.strip_params(vjp_fn, list(weights.values())), backward)
+      tie = _last_output(runner, st.part, ctx, tie)
+    elif st.op == "compute":
+      stripped, backward = saved.pop(st.part)
+      weights = runner.weights(st.part, layers, _hole(placeholder, st))
+      vjp_fn = seg_lib.restore_params(stripped, list(weights.values()))
+      outputs = runner.parts[st.part].outputs
+      ct_w, ct_in = backward(vjp_fn, [cts[k] if k in cts else seg_lib.zero_cotangent(ctx[k])
+                                      for k in outputs])
+      for q, c in ct_w.items():
+        i = runner.gathered[q]
+        grads[i] = c if i not in grads else grads[i] + c
+      for k, c in ct_in.items():
+        cts[k] = c if k not in cts else cts[k] + c
+      # what this vjp made (a cotangent passed straight through, e.g. of a residual add,
+      # would tie a re-gather to the same value as an earlier gather: XLA merges the two)
+      tie = (list(ct_w.values()) + list(ct_in.values())) or tie
+    elif st.op == "reduce_scatter":
+      scatter(st.bucket, {i: grads.pop(i) for i in runner.members[st.bucket] if i in grads})
+  return cts
+
+
+def _hole(placeholder, st):
+  return None if placeholder is None else lambda q: placeholder(st.op, st.part, q)
+
+
+def _released(runner, layers, bucket):
+  gone = set(runner.members[bucket])
+  return {i: v for i, v in layers.items() if i not in gone}
+
+
+def _last_output(runner, p, ctx, tie):
+  outputs = runner.parts[p].outputs
+  return ctx[outputs[-1]] if outputs else tie
+
+
+def _is_float(x) -> bool:
+  return x is not None and ir.is_float(jnp.result_type(x))
+
+
+# ---- analysis (the planner's; the executor checks edited bodies with it) --------------------
+def context_avals(runner) -> dict:
+  """Context key -> the value's shape and dtype, for every key the template reads."""
+  out = {}
+  for j, sources in enumerate(runner.run.sources):
+    for q, src in enumerate(sources):
+      key = runner.context_key(src)
+      if key is not None and key[0] != "local":
+        out[key] = runner.template[j].eqn.invars[q].aval
+    for o, v in enumerate(runner.template[j].eqn.outvars):
+      out[("local", j, o)] = v.aval
+  return out
+
+
+def unused_gathers(runner, body) -> tuple[set[int], set[tuple]]:
+  """(positions in the backward `body` of gathers whose values the iteration's results do
+  not depend on, (op, part, position) of weights a recompute or compute step reads while
+  their bucket is not gathered but whose values the results do depend on), by JAX's
+  dead-code elimination. The planner drops the first; an edited body with the second is
+  wrong (the executor refuses it)."""
+  avals = context_avals(runner)
+  spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
+  member_avals = {runner.gathered[q]: spec(a) for q, a in runner.weight_avals.items()}
+  gathers = [k for k, st in enumerate(body) if st.op == "gather"]
+  holes = [(st.op, st.part, q) for st in body if st.op in ("recompute", "compute")
+           for q in runner.parts[st.part].positions]
+  computed = {k for st in body if st.op == "recompute" for k in runner.parts[st.part].outputs}
+  ctx_keys = [k for k in avals if k[0] != "local"] + sorted({
+      k for st in body if st.op == "recompute" for k in runner.parts[st.part].inputs
+      if k[0] == "local" and k not in computed})
+  ct_keys = [("local", j, o) for j, o in runner.run.carry_out
+             if ir.is_float(avals[("local", j, o)].dtype)]
+
+  def run(gathered, ctx_values, ct_values, hole_values):
+    values, fill, scattered = iter(gathered), dict(zip(holes, hole_values)), []
+    cts = walk_backward(runner, body, dict(zip(ctx_keys, ctx_values)),
+                        dict(zip(ct_keys, ct_values)),
+                        lambda b, tie: dict(zip(runner.members[b], next(values))),
+                        lambda b, grads: scattered.extend(grads.values()), None,
+                        lambda op, p, q: fill[(op, p, q)])
+    return [cts[k] for k in ctx_keys if k in cts] + scattered
+
+  closed = jax.make_jaxpr(run)(
+      [[member_avals[i] for i in runner.members[body[k].bucket]] for k in gathers],
+      [spec(avals[k]) for k in ctx_keys], [spec(avals[k]) for k in ct_keys],
+      [member_avals[runner.gathered[q]] for _, _, q in holes])
+  _, used = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+  used = iter(used)
+  gather_used = [any([next(used) for _ in runner.members[body[k].bucket]]) for k in gathers]
+  for _ in range(len(ctx_keys) + len(ct_keys)):
+    next(used)
+  hole_used = [next(used) for _ in holes]
+  return ({k for k, u in zip(gathers, gather_used) if not u},
+          {h for h, u in zip(holes, hole_used) if u})
+
+
+def backward_reads(runner, p, bucket_of_position) -> tuple[int, ...]:
+  """Buckets whose values part p's vjp reads (its saved residuals hold no weights)."""
+  buckets = sorted({bucket_of_position[q] for q in runner.parts[p].positions})
+  body = [_step("gather", b) for b in buckets] + [_step("recompute", part=p)]
+  body += [_step("release", b) for b in buckets] + [_step("gather", b) for b in buckets]
+  body += [_step("compute", part=p)]
+  unused, _ = unused_gathers(runner, body)
+  second = len(buckets) * 2 + 1
+  return tuple(b for k, b in enumerate(buckets) if second + k not in unused)
+
+
+def _step(op, bucket=None, part=None):
+  return ir.Step(op, bucket=bucket, part=part)
