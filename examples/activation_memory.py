@@ -6,8 +6,8 @@ example (8 simulated CPU devices, each program compiled for analysis: zjax.hlo).
                                        [--json out.json]
 
 Per model: GSPMD's temp, then per zjax setting (the defaults; `max_reuse_distance=0`; that
-with `param_persistence_threshold=0`, every parameter sharded) its temp, how many layers
-rolled and the ratio to GSPMD.
+with `param_persistence_threshold=0`, every parameter sharded; that with
+`prefetch_bucket_size=0`) its temp, how many layers rolled and the ratio to GSPMD.
 GSPMD FSDP: every parameter sharded along its largest dimension divisible by N, the batch
 over the devices, `jax.value_and_grad` jitted (zjax bench's baseline).
 """
@@ -42,9 +42,12 @@ from zjax._src.render import format_bytes  # noqa: E402
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 import real_models  # noqa: E402
 
-SETTINGS = {  # the defaults; release after every use; the same with every parameter sharded
+SETTINGS = {  # the defaults; release after every use; that with every parameter sharded; and
+    # without prefetch (each bucket gathered at its use only)
     "default": zjax.ZeroConfig(), "reuse0": zjax.ZeroConfig(max_reuse_distance=0),
-    "sharded": zjax.ZeroConfig(max_reuse_distance=0, param_persistence_threshold=0)}
+    "sharded": zjax.ZeroConfig(max_reuse_distance=0, param_persistence_threshold=0),
+    "lean": zjax.ZeroConfig(max_reuse_distance=0, param_persistence_threshold=0,
+                            prefetch_bucket_size=0)}
 
 
 def gpt_case():

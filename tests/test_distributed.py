@@ -70,7 +70,10 @@ def test_two_processes_train_like_one_and_checkpoints_cross(tmp_path):
   a, b = read(tmp_path / "two.json"), read(tmp_path / "one.json")
   assert (a["processes"], b["processes"]) == (2, 1)
   np.testing.assert_allclose(a["losses"], b["losses"], rtol=1e-6)
-  assert_params(a["params"], b["params"], rtol=1e-6, atol=1e-6)
+  # gloo sums in another order than in-process collectives, and adam amplifies the last bits
+  # of near-zero gradients (as in the HSDP test above): measured 1.4e-6 on one element of
+  # 2048 (2026-12-02, an Intel Xeon without AVX-512)
+  assert_params(a["params"], b["params"], rtol=1e-5, atol=1e-5)
 
   # saved by 2 processes, restored by 1; saved by 1, restored by 2: exactly the same params
   back_one = single("--steps", "0", "--restore", str(tmp_path / "ck_two"), "--out",

@@ -192,6 +192,25 @@ def test_llama_style_layers_all_roll(own_tables, n):
         (report[f"{kind}_count"], report[f"{kind}_bytes"]), kind
 
 
+def test_t5_style_stacks_roll_after_the_layer_holding_the_position_bias():
+  """T5: the first layer of each stack holds the relative position bias and hands it to
+  the others; layers 1..L-1 of the encoder and of the decoder roll (dropout on: zjax
+  rolled against zjax unrolled, which draw the same masks), report == HLO."""
+  case = real_models.t5(batch_size=8)
+  rolled = run_zjax(case.loss_fn, case.params, case.batch, config=ROLL)
+  unrolled = run_zjax(case.loss_fn, case.params, case.batch, config=UNROLL)
+  np.testing.assert_allclose(rolled[1], unrolled[1], rtol=1e-5)
+  assert_trees_close(rolled[2], unrolled[2], rtol=1e-5, atol=1e-6)
+  schedule = rolled[0]
+  assert rolled_lengths(schedule) == [2, 2], schedule.rolling
+  assert [note.endswith(f"(['{stack}_1'] .. ['{stack}_2'])")
+          for note, stack in zip(schedule.rolling, ("encoder", "decoder"))] == [True, True]
+  report, compiled = schedule.report(), hlo.summarize(rolled[3])
+  for kind in ("all_gather", "reduce_scatter"):
+    assert (compiled[f"{kind}_count"], compiled[f"{kind}_bytes"]) == \
+        (report[f"{kind}_count"], report[f"{kind}_bytes"]), kind
+
+
 def test_griffin_style_remat_custom_vjp_scan_layers_roll():
   case = real_models.griffin(batch_size=8)
   schedule, _ = assert_parity(case.loss_fn, case.params, case.batch, config=ROLL)

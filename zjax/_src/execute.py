@@ -153,6 +153,14 @@ class _DeviceProgram:
     self.consts = dict(zip(program.const_ids, program.consts))
     self.needs_gradient = seg_lib.needs_gradient(program, [ir.has_gradient(p)
                                                            for p in schedule.params])
+    # persistent gradients are averaged as soon as they are complete (after the backward of
+    # the first segment that reads them), so that their full buffers do not all wait for
+    # the end of the step: segment -> parameter indices
+    self.grad_done_at: dict[int, list[int]] = {}
+    segment_of = {op: seg.id for seg in schedule.segments for op in range(seg.start, seg.end)}
+    for i, entry in enumerate(schedule.params):
+      if entry.persistent and ir.has_gradient(entry) and entry.uses and not entry.stack:
+        self.grad_done_at.setdefault(segment_of[min(entry.uses)], []).append(i)
     backward_loops = {st.segment: st for st in schedule.backward if st.op == ir.LOOP_OP}
     self.loops = {st.segment: self._loop(st, backward_loops[st.segment])
                   for st in schedule.forward if st.op == ir.LOOP_OP}
@@ -239,6 +247,7 @@ class _State:
     # rolled stacks of persistent parameters: storage index -> stacked full gradient
     self.stacked_grads: dict[int, Any] = {}
     self.shard_grads: dict[int, Any] = {}  # storage index -> local gradient shard
+    self.averaged: dict[int, Any] = {}  # parameter index -> averaged persistent gradient
 
   def stack_of(self, i):
     """This device's part of the rolled stack holding parameter i (all its layers)."""
@@ -399,6 +408,7 @@ class _State:
     for i, ct in loop.stacked_param_cotangents(ct_inputs):  # rolled persistent stacks
       if ir.has_gradient(self.dp.s.params[i]):  # kept stacked until averaged
         self.stacked_grads[self.dp.storage_of[i]] = ct
+    self._average_done_gradients(k)
 
   # ---- backward --------------------------------------------------------------------------
   def start_backward(self, loss_id, loss):
@@ -425,6 +435,19 @@ class _State:
     anchors = [c for c in ct_acts if seg_lib.is_real_cotangent(c)]
     if anchors:
       self.anchor = anchors[-1]
+    self._average_done_gradients(k)
+
+  def _average_done_gradients(self, k):
+    """Average the persistent gradients that segment k's backward completed."""
+    done = {i: self.full_grads.pop(i) for i in self.dp.grad_done_at.get(k, ())
+            if i in self.full_grads}
+    if done:
+      self.averaged.update(self.mean_over_devices(
+          {i: self._as_reduced(i, g) for i, g in done.items()}))
+
+  def _as_reduced(self, i, grad):
+    """A persistent gradient as the backend sums it (the reduce dtype, on the wire)."""
+    return grad.astype(self.dp.reduce_dtype(i)).astype(self.dp.wire_dtype(i))
 
   def _accumulate_param_grad(self, vid, ct):
     if not seg_lib.is_real_cotangent(ct):
@@ -460,8 +483,11 @@ class _State:
         continue
       grad = self.stacked_grads.get(k) if leaf.rolled else self.full_grads.pop(i, None)
       if grad is not None:  # summed as the backend would
-        persistent[k] = grad.astype(self.dp.reduce_dtype(i)).astype(self.dp.wire_dtype(i))
+        persistent[k] = self._as_reduced(i, grad)
     persistent = self.mean_over_devices(persistent)
+    for i, grad in self.averaged.items():  # (plus anything that arrived after: none)
+      k = self.dp.storage_of[i]
+      persistent[k] = grad if k not in persistent else persistent[k] + grad
     out = []
     for k, leaf in enumerate(s.storage):
       entry, i = leaf.entry, leaf.members[0]

@@ -24,6 +24,7 @@ from jax._src.interpreters import partial_eval as pe  # JAX's own DCE (as segmen
 
 from zjax._src import ir
 from zjax._src import segments as seg_lib
+from zjax._src.trace import LAYOUT_PRIMITIVES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,45 +35,34 @@ class PartIO:
   positions: tuple[int, ...]  # gathered stacked positions (weights) its ops read
   inputs: tuple  # context keys: ("local", j, o) (an earlier part's), ("const"|"carry"|"xs", k)
   outputs: tuple  # ("local", j, o) it defines that later ops read or the loop carries out
-
-
-def cut(run, gathered_bucket: dict) -> list[tuple[int, int]]:
-  """Template op ranges of the parts: a part starts where an op reads a bucket that the
-  current part does not use (`gathered_bucket`: stacked position -> its bucket)."""
-  ranges, start, current = [], 0, set()
-  for j, sources in enumerate(run.sources):
-    needed = {gathered_bucket[s[1]] for s in sources
-              if s[0] == "layer" and s[1] in gathered_bucket}
-    if current and needed and not needed <= current:
-      ranges.append((start, j))
-      start, current = j, set()
-    current |= needed
-  ranges.append((start, len(run.sources)))
-  return ranges
+  weights: tuple  # weight keys it reads (PartRunner)
 
 
 def part_runner(program, run, members, entries, bucket_of) -> "PartRunner":
-  """The PartRunner of a rolled run (shared with the executor): members[b] are bucket b's
-  layer-0 parameter indices, bucket_of maps a layer-0 parameter to its bucket."""
+  """The PartRunner of a rolled run (shared by the planner and the executor): members[b]
+  are bucket b's layer-0 parameter indices, bucket_of maps a layer-0 parameter to its
+  bucket, entries are the parameters (persistent ones are not gathered)."""
   template = program.ops[run.start:run.start + run.block]
   sharded = {p: layers[0] for p, layers in enumerate(run.stacked)
              if not entries[layers[0]].persistent}
   replicated = [p for p in range(len(run.stacked)) if p not in sharded]
-  bucket_of_position = {p: bucket_of[i] for p, i in sharded.items()}
-  ranges = cut(run, bucket_of_position)
   avals = {}
   for j, sources in enumerate(run.sources):
     for q, src in enumerate(sources):
       if src[0] == "layer" and src[1] in sharded:
         avals[src[1]] = template[j].eqn.invars[q].aval
   trained = {i for i in sharded.values() if ir.has_gradient(entries[i])}
-  return PartRunner(run, template, ranges, sharded, replicated, members, trained, avals)
+  return PartRunner(run, template, sharded, replicated, members, bucket_of, trained, avals)
 
 
 class PartRunner:
-  """Runs the template's parts on one iteration's values (concrete or abstract)."""
+  """Runs the template's parts on one iteration's values (concrete or abstract).
 
-  def __init__(self, run, template, ranges, gathered: dict, replicated: list, members,
+  Weights are what a part reads of its gathered parameters: a parameter ("layer", q) or a
+  layout view of one ("view", j, o: a reshape/transpose/cast chain, applied when the part
+  runs, as segments apply views), so that saved residuals never hold a weight's copy."""
+
+  def __init__(self, run, template, gathered: dict, replicated: list, members, bucket_of,
                trained: set, weight_avals: dict):
     """gathered: stacked position -> layer-0 parameter index (gathered per iteration);
     replicated: positions read whole from the xs (persistent); members: bucket -> its
@@ -81,30 +71,82 @@ class PartRunner:
     self.run, self.template = run, template
     self.gathered, self.replicated, self.members = gathered, replicated, members
     self.trained, self.weight_avals = trained, weight_avals
-    self.parts = [self._io(a, b) for a, b in ranges]
+    self.views = self._views()  # (j, o) -> (base position, layout ops from it)
+    self.bucket_of = {q: bucket_of[i] for q, i in gathered.items()}
+    self.parts = [self._io(a, b) for a, b in self._cut()]
+
+  def _views(self) -> dict:
+    views = {}
+    for j, sources in enumerate(self.run.sources):
+      op = self.template[j]
+      reads = [s for s in sources if s[0] != "lit"]
+      if op.primitive not in LAYOUT_PRIMITIVES or len(reads) != 1 or len(op.outputs) != 1:
+        continue
+      key = self.weight_key(reads[0], views)
+      if key is not None:
+        base, chain = self.base_of(key, views)
+        views[(j, 0)] = (base, chain + (op,))
+    return views
+
+  def weight_key(self, src, views=None):
+    """("layer", q) or ("view", j, o) if the input is a gathered weight or a view of one."""
+    views = self.views if views is None else views
+    if src[0] == "layer" and src[1] in self.gathered:
+      return ("layer", src[1])
+    if src[0] == "local" and (src[1], src[2]) in views:
+      return ("view", src[1], src[2])
+    return None
+
+  def base_of(self, key, views=None):
+    views = self.views if views is None else views
+    return (key[1], ()) if key[0] == "layer" else views[(key[1], key[2])]
+
+  def _is_view_op(self, j) -> bool:
+    return (j, 0) in self.views
+
+  def _cut(self) -> list[tuple[int, int]]:
+    """Template op ranges of the parts: a part starts where an op reads a bucket that the
+    current part does not use (as segments are cut)."""
+    ranges, start, current = [], 0, set()
+    for j, sources in enumerate(self.run.sources):
+      if self._is_view_op(j):
+        continue
+      needed = {self.bucket_of[self.base_of(k)[0]] for k in
+                (self.weight_key(s) for s in sources) if k is not None}
+      if current and needed and not needed <= current:
+        ranges.append((start, j))
+        start, current = j, set()
+      current |= needed
+    ranges.append((start, len(self.run.sources)))
+    return ranges
 
   def _io(self, a, b) -> PartIO:
-    positions, inputs = [], []
-    for sources in self.run.sources[a:b]:
-      for src in sources:
-        key = self.context_key(src)
-        if key is None:
-          if src[0] == "layer" and src[1] not in positions:
-            positions.append(src[1])
-        elif not (key[0] == "local" and a <= key[1] < b) and key not in inputs:
+    weights, inputs = [], []
+    for j in range(a, b):
+      if self._is_view_op(j):
+        continue
+      for src in self.run.sources[j]:
+        wkey, key = self.weight_key(src), self.context_key(src)
+        if wkey is not None:
+          if wkey not in weights:
+            weights.append(wkey)
+        elif key is not None and not (key[0] == "local" and a <= key[1] < b) and \
+            key not in inputs:
           inputs.append(key)
-    later = {self.context_key(s) for sources in self.run.sources[b:] for s in sources}
+    later = {self.context_key(s) for j in range(b, len(self.run.sources))
+             if not self._is_view_op(j) for s in self.run.sources[j]}
     later |= {("local", j, o) for j, o in self.run.carry_out}
-    outputs = [("local", j, o) for j in range(a, b)
+    outputs = [("local", j, o) for j in range(a, b) if not self._is_view_op(j)
                for o in range(len(self.template[j].outputs)) if ("local", j, o) in later]
-    return PartIO(a, b, tuple(positions), tuple(inputs), tuple(outputs))
+    positions = tuple(dict.fromkeys(self.base_of(k)[0] for k in weights))
+    return PartIO(a, b, positions, tuple(inputs), tuple(outputs), tuple(weights))
 
   def context_key(self, src):
     """Where an op input comes from in the iteration's context; None for literals and
-    gathered weights."""
+    weights."""
     kind = src[0]
     if kind == "local":
-      return src
+      return None if (src[1], src[2]) in self.views else src
     if kind in ("const", "carry", "xs"):
       return (kind, src[1])
     if kind == "layer" and src[1] not in self.gathered:
@@ -112,17 +154,19 @@ class PartRunner:
     return None
 
   def part_fn(self, p):
-    """(weights: position -> value, [values of part.inputs]) -> [values of part.outputs]."""
+    """(weights: weight key -> value, [values of part.inputs]) -> [values of outputs]."""
     part = self.parts[p]
 
     def run(weights, inputs):
       env = dict(zip(part.inputs, inputs))
       for j in range(part.start, part.end):
+        if self._is_view_op(j):
+          continue
         args = []
         for src in self.run.sources[j]:
-          key = self.context_key(src)
-          args.append(src[1] if src[0] == "lit" else weights[src[1]] if key is None
-                      else env[key])
+          wkey = self.weight_key(src)
+          args.append(src[1] if src[0] == "lit" else weights[wkey] if wkey is not None
+                      else env[self.context_key(src)])
         env.update((("local", j, o), v) for o, v in
                    enumerate(seg_lib.apply_op(self.template[j], args)))
       return [env[key] for key in part.outputs]
@@ -134,10 +178,10 @@ class PartRunner:
 
   def vjp(self, p, weights, ctx):
     """Part p under jax.vjp with respect to its trained weights and float inputs ->
-    (outputs, vjp_fn, backward(vjp_fn, output cts) -> (weight cts by position, input cts
-    by context key))."""
+    (outputs, vjp_fn, backward(vjp_fn, output cts) -> (weight cts by base position, input
+    cts by context key))."""
     part, run = self.parts[p], self.part_fn(p)
-    diff_w = [q for q in part.positions if self.gathered[q] in self.trained]
+    diff_w = [k for k in part.weights if self.gathered[self.base_of(k)[0]] in self.trained]
     values = [ctx[k] for k in part.inputs]
     diff_in = [i for i, v in enumerate(values) if _is_float(v)]
 
@@ -147,21 +191,33 @@ class PartRunner:
         all_in[i] = x
       return run({**weights, **dict(zip(diff_w, w))}, all_in)
 
-    outs, vjp_fn = jax.vjp(f, [weights[q] for q in diff_w], [values[i] for i in diff_in])
+    outs, vjp_fn = jax.vjp(f, [weights[k] for k in diff_w], [values[i] for i in diff_in])
 
     def backward(vjp_fn, cts):
       ct_w, ct_in = vjp_fn(cts)
-      return dict(zip(diff_w, ct_w)), {part.inputs[i]: c for i, c in zip(diff_in, ct_in)}
+      by_position = {}
+      for key, ct in zip(diff_w, ct_w):
+        q, chain = self.base_of(key)
+        if chain:  # back through the layout ops (all linear)
+          aval = self.weight_avals[q]
+          (ct,) = jax.linear_transpose(lambda x: seg_lib.apply_chain(chain, x),
+                                       jax.ShapeDtypeStruct(aval.shape, aval.dtype))(ct)
+        by_position[q] = ct if q not in by_position else by_position[q] + ct
+      return by_position, {part.inputs[i]: c for i, c in zip(diff_in, ct_in)}
     return outs, vjp_fn, backward
 
   def weights(self, p, layers, placeholder=None) -> dict:
-    """Position -> this layer's gathered weight; where its bucket is not gathered, zeros
-    (the planner proved the value unused: dead code that XLA deletes), or placeholder(q)."""
-    out = {}
-    for q in self.parts[p].positions:
-      i, aval = self.gathered[q], self.weight_avals[q]
-      out[q] = layers[i] if i in layers else (
-          placeholder(q) if placeholder else jnp.zeros(aval.shape, aval.dtype))
+    """Weight key -> its value from this layer's gathered parameters; where a bucket is not
+    gathered, zeros (the planner proved the value unused: dead code that XLA deletes), or
+    placeholder(position)."""
+    out, bases = {}, {}
+    for key in self.parts[p].weights:
+      q, chain = self.base_of(key)
+      if q not in bases:
+        i, aval = self.gathered[q], self.weight_avals[q]
+        bases[q] = layers[i] if i in layers else (
+            placeholder(q) if placeholder else jnp.zeros(aval.shape, aval.dtype))
+      out[key] = seg_lib.apply_chain(chain, bases[q])
     return out
 
 

@@ -216,7 +216,7 @@ def _rolled_body(trace, run, seg, buckets, elements, bucket_of, entries, config,
       id=p, start=run.start + io.start, end=run.start + io.end,
       buckets=tuple(sorted({position_bucket[q] for q in io.positions})),
       backward_buckets=loop_parts.backward_reads(runner, p, position_bucket),
-      label=trace.ops[run.start + io.start].module) for p, io in enumerate(runner.parts))
+      label=_part_label(trace, run, runner, io)) for p, io in enumerate(runner.parts))
   around = sum(elements[b] for b in seg.buckets if not buckets[b].stacked)
   inner_config = dataclasses.replace(config, max_live_parameters=max(
       config.max_live_parameters - around, 0))
@@ -231,11 +231,15 @@ def _rolled_body(trace, run, seg, buckets, elements, bucket_of, entries, config,
   first_compute = next(k for k, st in enumerate(forward) if st.op == "compute")
   if not any(st.op == "gather" for st in forward[first_compute:] + backward):
     return _RolledBody((), (), (), 0, _unread_in_backward(runner, parts, stacked, buckets))
-  if config.secondary_partition:
+  if config.secondary_partition:  # hpZ keeps one secondary per layer gather: whole layers
+    whole = sum(elements[b] for b in stacked)
+    if whole + around <= config.max_live_parameters:
+      return _RolledBody((), (), (), 0, _unread_in_backward(runner, parts, stacked, buckets))
     raise _DoNotRoll(rolling, run, (
-        f"not rolled: {roll.layer_names(trace.params, run)} would gather each layer part by "
-        f"part under these knobs, which hpZ (secondary_partition) does not support in a "
-        f"loop; planned unrolled"))
+        f"not rolled: one layer of {roll.layer_names(trace.params, run)} needs {whole} "
+        f"gathered elements, above max_live_parameters={config.max_live_parameters} with "
+        f"what is kept around it, and under hpZ (secondary_partition) a rolled layer is "
+        f"gathered whole; planned unrolled, sub-module by sub-module"))
   kept = [b for b in stacked if not any(st.op == "release" and st.bucket == b
                                         for st in forward)]
   as_part = lambda st, op=None: dataclasses.replace(  # noqa: E731
@@ -248,6 +252,14 @@ def _rolled_body(trace, run, seg, buckets, elements, bucket_of, entries, config,
   backward_body = _without_gathers(backward_body, unused)
   need = max(_peak(forward_body, elements), _peak(backward_body, elements))
   return _RolledBody(parts, forward_body, tuple(backward_body), need)
+
+
+def _part_label(trace, run, runner, io) -> str:
+  """The module of the part's first op that reads a gathered weight (as segments' labels)."""
+  for j in range(io.start, io.end):
+    if any(src[0] == "layer" and src[1] in runner.gathered for src in run.sources[j]):
+      return trace.ops[run.start + j].module
+  return trace.ops[run.start + io.start].module
 
 
 def _unread_in_backward(runner, parts, stacked, buckets) -> frozenset:

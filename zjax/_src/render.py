@@ -56,16 +56,27 @@ def _axes_cell(s, step, phase) -> str:
 
 def _loop_rows(s, sim, phase, i, step, live_after):
   """A loop step, then its body indented: these steps run once per iteration; a prefetched
-  gather fetches the next iteration's layer (the first one before the loop)."""
+  gather fetches the next iteration's layer (the first one before the loop), or in a body
+  cut into parts a later part's bucket."""
   seg = s.segments[step.segment]
   rows = [(str(i), phase, f"loop x{step.length}", "", "",
            f"segment {seg.id} ops [{seg.start},{seg.end}) {seg.label}, per iteration:".rstrip(),
            "", format_bytes(live_after))]
   for j, inner in enumerate(step.body):
-    row = _step_row(s, sim, phase, j, inner, None)
-    rows.append((f"{i}.{j}", phase, "  " + row[2].replace("prefetch", "next layer"),
+    row = (_part_row(step, inner, phase) if inner.part is not None else
+           _step_row(s, sim, phase, j, inner, None))
+    ahead = row[2] if step.parts else row[2].replace("prefetch", "next layer")
+    rows.append((f"{i}.{j}", phase, "  " + ahead,
                  *row[3:7], ""))
   return rows
+
+
+def _part_row(loop, step, phase):
+  """A compute step of a loop body cut into parts: forward, recomputed, or its vjp."""
+  part = loop.parts[step.part]
+  op = {"recompute": "recompute", "compute": "compute" if phase == "fwd" else "compute_vjp"}
+  return ("", phase, op[step.op], "", "",
+          f"part {part.id} ops [{part.start},{part.end}) {part.label}".rstrip(), "", "")
 
 
 def _step_row(s, sim, phase, i, step, live_after):
