@@ -237,11 +237,11 @@ def walk_forward(runner, body, ctx, gather, tie):
 
 
 def walk_backward(runner, body, ctx, cts, gather, scatter, tie, placeholder=None):
-  # placeholder(op, part, position) stands in for a weight whose bucket is not gathered
   """One backward iteration: recompute steps run a part under vjp (its saved residuals
   without gathered weights), compute steps apply it, re-gathering where the body says;
   scatter(bucket, {param index: layer gradient}) at each reduce-scatter. cts: context key
-  -> cotangent (the carried-out values' on entry; every input's on return)."""
+  -> cotangent (the carried-out values' on entry; every input's on return).
+  placeholder(op, part, position) stands in for a weight whose bucket is not gathered."""
   layers, saved, grads = {}, {}, {}
   for st in body:
     if st.op == "gather":

@@ -24,7 +24,12 @@
    A loop segment's compute becomes a loop step whose body gathers its stacked buckets'
    current layer, computes, (backward: reduce-scatters the layer's gradient,) releases.
    The body gathers one iteration ahead (prefetch) when one layer's elements fit in
-   `prefetch_bucket_size` and two layers fit under `max_live_parameters`.
+   `prefetch_bucket_size` and two layers fit under `max_live_parameters`. A rolled layer
+   is first planned by these same rules over its sub-modules (loop_parts.py: its parts);
+   unless that plan gathers the whole layer at once, the body follows it part by part
+   (backward: recompute the parts, then their vjps in reverse), without the prefetch
+   across iterations; a run that cannot keep the knobs is planned unrolled, and
+   `schedule.rolling` says why.
 6. hpZ (`secondary_partition`): a bucket that backward re-gathers gets "keep_secondary"
    right after its first forward gather and "drop_secondary" right after its last backward
    gather (in a loop body: after the layer's gather, in both directions).
@@ -205,8 +210,9 @@ class _RolledBody:
 def _rolled_body(trace, run, seg, buckets, elements, bucket_of, entries, config, rolling):
   """The run's layer planned part by part, as the unrolled planner plans segments (the same
   knobs; what the segments around the loop keep gathered through it counts against
-  max_live_parameters); None when one whole layer gathered at once is what that plan says
-  (the loop gathers it as one, prefetching the next layer where the knobs allow)."""
+  max_live_parameters). Without parts when one whole layer gathered at once is what that
+  plan says (the loop gathers it as one, prefetching the next layer where the knobs allow).
+  Raises _DoNotRoll where the run cannot keep the knobs (the unrolled plan decides)."""
   stacked = [b for b in seg.buckets if buckets[b].stacked]
   members = {b: [i for i in range(len(entries)) if bucket_of.get(i) == b
                  and trace.params[i].path in buckets[b].params] for b in stacked}
@@ -221,22 +227,24 @@ def _rolled_body(trace, run, seg, buckets, elements, bucket_of, entries, config,
   inner_config = dataclasses.replace(config, max_live_parameters=max(
       config.max_live_parameters - around, 0))
   flat = tuple(dataclasses.replace(b, stacked=False) for b in buckets)
+  names = roll.layer_names(trace.params, run)
   try:
     forward, backward = _StepPlanner(parts, elements, flat, inner_config).plan()
-  except ScheduleError as e:
-    raise ScheduleError(f"In the rolled layers {roll.layer_names(trace.params, run)}: {e}"
-                        ) from None
+  except ScheduleError as e:  # e.g. with what is kept around it, a part does not fit
+    raise _DoNotRoll(rolling, run, f"not rolled: {names}: {e}; planned unrolled") from None
   # every bucket gathered before the first part and none again in backward: the peak is one
   # whole layer either way, and the whole-layer loop may prefetch the next layer
   first_compute = next(k for k, st in enumerate(forward) if st.op == "compute")
+  whole_layer = _RolledBody((), (), (), 0, frozenset() if config.secondary_partition else
+                            _unread_in_backward(runner, parts, stacked, buckets))
   if not any(st.op == "gather" for st in forward[first_compute:] + backward):
-    return _RolledBody((), (), (), 0, _unread_in_backward(runner, parts, stacked, buckets))
+    return whole_layer
   if config.secondary_partition:  # hpZ keeps one secondary per layer gather: whole layers
     whole = sum(elements[b] for b in stacked)
     if whole + around <= config.max_live_parameters:
-      return _RolledBody((), (), (), 0, _unread_in_backward(runner, parts, stacked, buckets))
+      return whole_layer
     raise _DoNotRoll(rolling, run, (
-        f"not rolled: one layer of {roll.layer_names(trace.params, run)} needs {whole} "
+        f"not rolled: one layer of {names} needs {whole} "
         f"gathered elements, above max_live_parameters={config.max_live_parameters} with "
         f"what is kept around it, and under hpZ (secondary_partition) a rolled layer is "
         f"gathered whole; planned unrolled, sub-module by sub-module"))
@@ -486,7 +494,7 @@ class _StepPlanner:
     self.segments = tuple(dataclasses.replace(
         seg, buckets=self._regular(seg.buckets), backward_buckets=self._regular(
             seg.backward_buckets)) for seg in segments)
-    # rolled loops cut into parts: segment -> _RolledBody (None: one whole layer at once)
+    # rolled loops: segment -> _RolledBody (with parts, or gathered as one whole layer)
     self.unread = {k: body.unread for k, body in (bodies or {}).items()}
     self.bodies = {k: body for k, body in (bodies or {}).items() if body.parts}
     self.loop_need = [self.bodies[seg.id].need if seg.id in self.bodies else
@@ -545,12 +553,13 @@ class _StepPlanner:
       regular = self.segments[seg.id].buckets  # a loop's stacked ones count as loop_need
       need = self.loop_need[seg.id] + sum(self.elements[b] for b in regular)
       if need > cap:
-        names = "; ".join(f"bucket {b} ({self.buckets[b].module}: {self.elements[b]} elements)"
-                          for b in seg.buckets)
+        names = "; ".join(f"bucket {b} ({self.buckets[b].module}: {self.elements[b]} elements"
+                          f" of {', '.join(self.buckets[b].params)})" for b in seg.buckets)
         raise ScheduleError(
             f"Segment {seg.id} ({seg.label or 'ops ' + str(seg.start)}) needs {need} gathered "
-            f"parameter elements at once ({names}), above max_live_parameters={cap}. Raise "
-            f"max_live_parameters to at least {need}, or split the module.")
+            f"parameter elements at once ({names}), above max_live_parameters={cap}. A "
+            f"bucket (one module's parameters of one dtype) is gathered whole, as the ops "
+            f"that read it need it: raise max_live_parameters to at least {need}.")
 
   def _instances(self) -> list[_Instance]:
     uses: dict[int, list[int]] = {}
