@@ -175,8 +175,25 @@ class _Finder:
       similar = [p for p in paths if _numberless(p) in pattern]
       if similar:
         out.append(f"not rolled with {layer_names(self.params, run)}: the layer of "
-                   f"{similar[0]} runs other ops or shapes")
+                   f"{similar[0]} runs other ops or shapes{self._first_difference(run, lo)}")
     return out
+
+  def _first_difference(self, run, lo) -> str:
+    """Where a neighbouring layer starts to differ from the run's first layer, walking from
+    the side that touches the run (a layer before it is compared from its end)."""
+    before = lo < run.start
+    for j in range(run.block):
+      k, t = ((run.start - 1 - j, run.start + run.block - 1 - j) if before else
+              (run.end + j, run.start + j))
+      if not 0 <= k < len(self.ops):
+        return ""
+      if self.sigs[k] != self.sigs[t]:
+        mine, theirs = self.ops[k].primitive, self.ops[t].primitive
+        if mine == theirs:
+          return f" ({self.where(k)}: {mine} on other shapes than {self.where(t)})"
+        return (f" ({self.where(k)}: {mine}, where the rolled layers run {self.where(t)}: "
+                f"{theirs})")
+    return ""
 
   # ---- where runs may be ---------------------------------------------------------------
   def candidates(self):
@@ -186,9 +203,19 @@ class _Finder:
         for run, why, span in self._runs_in(lo, hi, block):
           if run is not None:
             runs.append(run)
-          elif why:
+          elif why and self._looks_like_layers(span[0], block):
             rejected[span] = why
     return runs, rejected
+
+  def _looks_like_layers(self, start, block) -> bool:
+    """Whether blocks 0 and 1 of a candidate read parameters of the same names up to
+    numbers (block_0/fc vs block_1/fc): layers to a user. A repeat inside one layer (the
+    q, k and v projections) is not, and why it does not roll says nothing useful."""
+    def names(lo):
+      return {_numberless(self.params[self.param_of[a]].path)
+              for op in self.ops[lo:lo + block] for a in op.inputs
+              if isinstance(a, int) and a in self.param_of}
+    return bool(names(start) & names(start + block))
 
   def _periods(self) -> list[int]:
     """Candidate block lengths: distances between consecutive ops of the same signature
