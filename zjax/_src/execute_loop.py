@@ -164,8 +164,7 @@ class Loop:
       members = self.dp.members[b]
       entries = [layout.layer_entry(self.dp.s.params[i]) for i in members]
       grads = [layer_grads[i].astype(self.dp.reduce_dtype(i)) if i in layer_grads else
-               jnp.zeros(layout.layer_entry(self.dp.s.params[i]).shape,
-                         self.dp.reduce_dtype(i)) for i in members]
+               jnp.zeros(e.shape, self.dp.reduce_dtype(i)) for i, e in zip(members, entries)]
       chunks = collectives.reduce_scatter_bucket(
           grads, entries, self.dp.n, self.dp.storage_axes, self.dp.wire_dtype(members[0]),
           self.dp.mean_over, self.dp.reduce_quantization(b))

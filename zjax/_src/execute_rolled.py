@@ -11,10 +11,10 @@ run's layer order.
 import jax.numpy as jnp
 from jax import lax
 
-from zjax._src import ir, loop_parts, offload
+from zjax._src import loop_parts, offload
 from zjax._src import segments as seg_lib
 from zjax._src.errors import ScheduleMismatchError
-from zjax._src.execute_loop import Loop, _read, _write
+from zjax._src.execute_loop import Loop, _is_float, _read, _write
 
 
 class RolledLoop(Loop):
@@ -54,19 +54,20 @@ class RolledLoop(Loop):
       self.prefetch = {"forward": False, "backward": False}
       self.bodies = {"forward": forward_step.body, "backward": backward_step.body}
 
+  def _runner(self) -> loop_parts.PartRunner:
+    members = {b: self.dp.members[b] for b in self.buckets}
+    bucket_of = {i: b for b, ids in members.items() for i in ids}
+    return loop_parts.part_runner(self.dp.program, self.run, members, self.dp.s.params,
+                                  bucket_of)
+
   def _check_unread(self, backward_step):
     """A whole-layer backward body that leaves buckets out: only ones whose values the
     iteration's backward does not use (else the recompute would read zeros)."""
-    dp, run = self.dp, self.run
-    members = {b: dp.members[b] for b in self.buckets}
-    bucket_of = {i: b for b, ids in members.items() for i in ids}
-    runner = loop_parts.part_runner(dp.program, run, members, dp.s.params, bucket_of)
-    body = [st for st in backward_step.body if st.op == "gather"]
-    body += [ir.Step(ir.RECOMPUTE_OP, part=p) for p in range(len(runner.parts))]
-    body += [ir.Step("compute", part=p) for p in reversed(range(len(runner.parts)))]
-    _, missing = loop_parts.unused_gathers(runner, body)
+    runner = self._runner()
+    _, missing = loop_parts.unused_gathers(
+        runner, loop_parts.whole_layer_backward(runner, self.regathered))
     if missing:
-      path = dp.s.params[runner.gathered[sorted(missing)[0][2]]].path
+      path = self.dp.s.params[runner.gathered[sorted(missing)[0][2]]].path
       raise ScheduleMismatchError(
           f"Segment {self.segment}'s backward loop body does not re-gather {path}, but the "
           f"backward iteration reads it. Add its bucket's gather (or recompile the schedule).")
@@ -75,9 +76,7 @@ class RolledLoop(Loop):
     """The layer's parts as the schedule cuts them; refused if this program cuts them
     otherwise, or if the backward body lacks a gather whose values it uses."""
     dp, run = self.dp, self.run
-    members = {b: dp.members[b] for b in self.buckets}
-    bucket_of = {i: b for b, ids in members.items() for i in ids}
-    runner = loop_parts.part_runner(dp.program, run, members, dp.s.params, bucket_of)
+    runner = self._runner()
     found = [(run.start + p.start, run.start + p.end) for p in runner.parts]
     stored = [(p.start, p.end) for p in forward_step.parts]
     if found != stored:
@@ -214,9 +213,6 @@ class RolledLoop(Loop):
       return layers[i]
     return xs[len(self.run.xs) + self.replicated.index(where)]
 
-
-def _is_float(x) -> bool:
-  return x is not None and ir.is_float(jnp.result_type(x))
 
 
 def _ct(cts, key, like):

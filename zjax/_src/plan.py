@@ -236,7 +236,7 @@ def _rolled_body(trace, run, seg, buckets, elements, bucket_of, entries, config,
   # whole layer either way, and the whole-layer loop may prefetch the next layer
   first_compute = next(k for k, st in enumerate(forward) if st.op == "compute")
   whole_layer = _RolledBody((), (), (), 0, frozenset() if config.secondary_partition else
-                            _unread_in_backward(runner, parts, stacked, buckets))
+                            _unread_in_backward(runner, stacked, buckets))
   if not any(st.op == "gather" for st in forward[first_compute:] + backward):
     return whole_layer
   if config.secondary_partition:  # hpZ keeps one secondary per layer gather: whole layers
@@ -270,11 +270,8 @@ def _part_label(trace, run, runner, io) -> str:
   return trace.ops[run.start + io.start].module
 
 
-def _unread_in_backward(runner, parts, stacked, buckets) -> frozenset:
-  body = [ir.Step("gather", bucket=b) for b in stacked]
-  body += [ir.Step(ir.RECOMPUTE_OP, part=p.id) for p in parts]
-  body += [ir.Step("compute", part=p.id) for p in reversed(parts)]
-  unused, _ = loop_parts.unused_gathers(runner, body)
+def _unread_in_backward(runner, stacked, buckets) -> frozenset:
+  unused, _ = loop_parts.unused_gathers(runner, loop_parts.whole_layer_backward(runner, stacked))
   return frozenset(stacked[k] for k in unused if not ir.has_gradient(buckets[stacked[k]]))
 
 
