@@ -28,6 +28,7 @@ from jax import lax
 
 from zjax._src import collectives, ir, layout, loops, offload, quantize
 from zjax._src import segments as seg_lib
+from zjax._src.errors import ScheduleMismatchError
 
 
 class Loop:
@@ -50,6 +51,21 @@ class Loop:
     # stacked consts read as W[i]: body equation index -> input position
     self.layer_slices = {k: j for j in self.stacked_inputs if j < self.num_consts
                          for k in loops.layer_slices(dp.program, op, j)}
+    if set(self.regathered) != set(self.buckets):
+      self._check_unread()
+
+  def _check_unread(self):
+    """A backward body that leaves stacked buckets out: only ones whose values the
+    iteration's backward does not read (else it would read the zeros standing in)."""
+    left_out = {i for b in self.buckets if b not in self.regathered for i in self.dp.members[b]}
+    trained = {j: i in self.trained for j, (i, _) in self.stacked_inputs.items()}
+    unread = loops.backward_unread(self.op, trained)
+    for j, (i, _) in sorted(self.stacked_inputs.items()):
+      if i in left_out and j not in unread:
+        raise ScheduleMismatchError(
+            f"Segment {self.segment}'s backward loop body does not re-gather "
+            f"{self.dp.s.params[i].path}, but the backward iteration reads it. Add its "
+            f"bucket's gather (or recompile the schedule).")
 
   def read_steps(self, forward_step, backward_step):
     """What the loop steps say: the stacked buckets, prefetch, which are reduce-scattered."""
@@ -88,12 +104,17 @@ class Loop:
     slice, standing in for the stacked xs slices. -> (carry out, ys)."""
     args = list(inputs)
     for j, (param, chain) in self.stacked_inputs.items():
-      args[j] = seg_lib.apply_chain(chain, layers[param])
+      args[j] = seg_lib.apply_chain(chain, layers[param] if param in layers else
+                                    self._unread_layer(param))
     if self.layer_slices:
       outs = self._run_body_with_layer_slices(args)
     else:
       outs = jex.jaxpr_as_fun(self.body_jaxpr)(*args)
     return list(outs[:self.num_carry]), list(outs[self.num_carry:])
+
+  def _unread_layer(self, i):
+    """Stands in for a layer not re-gathered in backward (unread: dead code, as XLA sees)."""
+    return jnp.zeros(self.dp.s.params[i].layer_shape, self.dp.compute_dtype(i))
 
   def _run_body_with_layer_slices(self, args):
     """The body, with each `W[i]` of a stacked const answered by the gathered layer."""

@@ -13,9 +13,12 @@ before it. Anything else a loop reads (a weight shared by every iteration, as in
 `fori_loop` applying one layer K times) is gathered once before the loop.
 """
 
+import jax
 import jax.extend.core as jex
 import numpy as np
+from jax._src.interpreters import partial_eval as pe  # JAX's own DCE (as segments.py)
 
+from zjax._src import ir
 from zjax._src.program import FlatProgram
 from zjax._src.trace import param_views
 
@@ -153,3 +156,30 @@ def _view_ops(program, views, num_params) -> dict[int, tuple]:
 def loop_inputs(eqn) -> tuple[int, int]:
   """(number of consts, number of carries) of a scan equation; the rest are xs."""
   return eqn.params["num_consts"], eqn.params["num_carry"]
+
+
+def backward_unread(op, stacked: dict[int, bool]) -> set[int]:
+  """Input positions of scan `op`'s stacked parameters (`stacked`: position -> trained)
+  whose values one backward iteration does not read, by JAX's dead-code elimination over
+  the iteration's vjp as the loop step runs it (differentiated: the trained stacked inputs
+  and every floating-point other input; cotangents of the floating-point outputs). XLA
+  deletes a re-gather of such a value (an integer leaf's), so the schedule leaves it out."""
+  body = op.eqn.params["jaxpr"]
+  avals = [v.aval for v in body.jaxpr.invars]
+  diff = [stacked[j] if j in stacked else ir.is_float(a.dtype) for j, a in enumerate(avals)]
+  outs = [ir.is_float(v.aval.dtype) for v in body.jaxpr.outvars]
+
+  def backward(inputs, cts):
+    def f(*diffed):
+      it = iter(diffed)
+      values = [next(it) if d else x for x, d in zip(inputs, diff)]
+      return [o for o, keep in zip(jex.jaxpr_as_fun(body)(*values), outs) if keep]
+    _, vjp_fn = jax.vjp(f, *[x for x, d in zip(inputs, diff) if d])
+    return vjp_fn(cts)
+
+  spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
+  closed = jax.make_jaxpr(backward)(
+      [spec(a) for a in avals],
+      [spec(v.aval) for v, keep in zip(body.jaxpr.outvars, outs) if keep])
+  _, used = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+  return {j for j in stacked if not used[j]}

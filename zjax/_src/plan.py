@@ -46,7 +46,7 @@ from zjax._src import segments as seg_lib
 from zjax._src.config import ZeroConfig
 from zjax._src.errors import ScheduleError
 from zjax._src.schedule import Schedule, program_hash
-from zjax._src.trace import ProgramTrace, data_axis_bound, trace_for_schedule
+from zjax._src.trace import ProgramTrace, data_axis_bound, param_views, trace_for_schedule
 
 
 def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
@@ -185,8 +185,10 @@ def _plan_with(trace, config, axis_sizes, frozen, platform, rolling) -> Schedule
     k = next(seg.id for seg in segments if seg.start == run.start)
     bodies[k] = _rolled_body(trace, run, segments[k], buckets, elements, bucket_of,
                              entries, config, rolling)
+  unread = ({} if config.secondary_partition else  # hpZ: each layer's secondary is dropped
+            _scan_unread(trace, segments, stacked, bucket_of, entries, buckets))
   forward, backward = _StepPlanner(segments, elements, buckets, config, lengths,
-                                   bodies).plan()
+                                   bodies, unread).plan()
   return Schedule(num_devices=num_devices, platform=platform, replica_sizes=replica_sizes,
                   shard_sizes=shard_sizes, config=config,
                   num_ops=len(trace.ops),
@@ -260,6 +262,26 @@ def _rolled_body(trace, run, seg, buckets, elements, bucket_of, entries, config,
   backward_body = _without_gathers(backward_body, unused)
   need = max(_peak(forward_body, elements), _peak(backward_body, elements))
   return _RolledBody(parts, forward_body, tuple(backward_body), need)
+
+
+def _scan_unread(trace, segments, stacked, bucket_of, entries, buckets) -> dict:
+  """Scan segment -> its stacked buckets without gradient whose values a backward iteration
+  does not read (loops.backward_unread): the loop step does not re-gather them."""
+  views = param_views(trace.program, len(trace.params))
+  out = {}
+  for seg in segments:
+    members = [i for i, op in stacked.items() if op == seg.start]
+    if not any(not ir.has_gradient(buckets[bucket_of[i]]) for i in members):
+      continue
+    op = trace.program.ops[seg.start]
+    positions = {j: i for i in members for j, a in enumerate(op.inputs)
+                 if isinstance(a, int) and i in views.get(a, ())}
+    unread = loops.backward_unread(op, {j: ir.has_gradient(entries[i])
+                                        for j, i in positions.items()})
+    out[seg.id] = frozenset(
+        b for b in {bucket_of[i] for i in members} if not ir.has_gradient(buckets[b])
+        and all(j in unread for j, i in positions.items() if bucket_of[i] == b))
+  return out
 
 
 def _part_label(trace, run, runner, io) -> str:
@@ -481,7 +503,7 @@ class _Interval:
 class _StepPlanner:
 
   def __init__(self, segments, elements, buckets, config: ZeroConfig, lengths=None,
-               bodies=None):
+               bodies=None, scan_unread=None):
     self.k = len(segments)
     self.elements = elements
     self.buckets = buckets
@@ -492,7 +514,9 @@ class _StepPlanner:
         seg, buckets=self._regular(seg.buckets), backward_buckets=self._regular(
             seg.backward_buckets)) for seg in segments)
     # rolled loops: segment -> _RolledBody (with parts, or gathered as one whole layer)
-    self.unread = {k: body.unread for k, body in (bodies or {}).items()}
+    # loop segment -> stacked buckets its backward iteration does not read (not re-gathered)
+    self.unread = {**(scan_unread or {}),
+                   **{k: body.unread for k, body in (bodies or {}).items()}}
     self.bodies = {k: body for k, body in (bodies or {}).items() if body.parts}
     self.loop_need = [self.bodies[seg.id].need if seg.id in self.bodies else
                       sum(elements[b] for b in seg.buckets if buckets[b].stacked)

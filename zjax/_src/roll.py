@@ -93,12 +93,21 @@ def find_runs(program: FlatProgram, params: list[ParamFacts], excluded=frozenset
   chosen.sort(key=lambda r: r.start)
   notes = [f"rolled ops [{r.start}, {r.end}): {r.length} layers of {r.block} ops "
            f"({layer_names(params, r)})" for r in chosen]
-  reasons = sorted({why for (start, end), why in rejected.items()
-                    if why and not set(range(start, end)) <= covered})
-  notes += reasons[:_MAX_REASONS] + ([f"... and {len(reasons) - _MAX_REASONS} more reasons"]
-                                     if len(reasons) > _MAX_REASONS else [])
+  notes += _why_not_notes(finder, rejected, covered)
   notes += [note for run in chosen for note in finder.neighbours(run, covered)]
   return Rolling(tuple(chosen), tuple(notes) or ("no repeated layers",))
+
+
+def _why_not_notes(finder, rejected, covered) -> list[str]:
+  """One line per candidate run that did not roll (candidates over the same layers, as
+  different block lengths or alignments, are one): its layers and the first reason."""
+  first_reason = {}
+  for (start, end), (why, block) in sorted(rejected.items()):
+    if why and not set(range(start, end)) <= covered:
+      first_reason.setdefault(finder.span_names(start, end, block), why)
+  notes = [f"not rolled: {names}: {why}" for names, why in first_reason.items()]
+  more = len(notes) - _MAX_REASONS
+  return notes[:_MAX_REASONS] + ([f"... and {more} more candidate runs"] if more > 0 else [])
 
 
 def analyze_run(program: FlatProgram, params: list[ParamFacts], start: int, block: int,
@@ -115,19 +124,23 @@ def analyze_run(program: FlatProgram, params: list[ParamFacts], start: int, bloc
 def layer_names(params, run) -> str:
   """The first and last layer, named by the common path prefix of their parameters."""
   def prefix(layer):
-    paths = [params[layers[layer]].path for layers in run.stacked]
-    common = paths[0]
-    for path in paths[1:]:
-      while not path.startswith(common):
-        common = common[:common.rindex("[")] if "[" in common else ""
-    return common or paths[0]
+    return _common_prefix([params[layers[layer]].path for layers in run.stacked])
   first, last = prefix(0), prefix(run.length - 1)
   if first == last:  # layers that do not start at a module: name a parameter of each
     first, last = (params[run.stacked[0][layer]].path for layer in (0, run.length - 1))
   return f"{first} .. {last}"
 
 
-_MAX_REASONS = 4  # why-not notes kept per schedule
+def _common_prefix(paths) -> str:
+  """The longest common prefix of parameter paths that ends at a key (else the first)."""
+  common = paths[0]
+  for path in paths[1:]:
+    while not path.startswith(common):
+      common = common[:common.rindex("[")] if "[" in common else ""
+  return common or paths[0]
+
+
+_MAX_REASONS = 4  # candidate runs that did not roll, a line each, kept per schedule
 _PERIOD_LOOKBACK = 4  # same-signature weight uses per layer that periods look past
 
 
@@ -204,8 +217,18 @@ class _Finder:
           if run is not None:
             runs.append(run)
           elif why and self._looks_like_layers(span[0], block):
-            rejected[span] = why
+            rejected[span] = (why, block)
     return runs, rejected
+
+  def span_names(self, start, end, block) -> str:
+    """The candidate layers [start, end) (blocks of `block` ops) by their first and last
+    block's parameters: the common path prefix of each (as layer_names)."""
+    def prefix(lo):
+      paths = sorted({self.params[self.param_of[a]].path for op in self.ops[lo:lo + block]
+                      for a in op.inputs if isinstance(a, int) and a in self.param_of})
+      return _common_prefix(paths) if paths else self.where(lo)
+    count = (end - start) // block
+    return f"{prefix(start)} .. {prefix(end - block)} ({count} candidate layers)"
 
   def _looks_like_layers(self, start, block) -> bool:
     """Whether blocks 0 and 1 of a candidate read parameters of the same names up to

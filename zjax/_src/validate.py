@@ -346,7 +346,7 @@ class _Simulator:
                           f"gather each stacked bucket, compute, "
                           f"{'reduce-scatter, ' if phase == 'backward' else ''}release.")
     prefetch = {st.prefetch for st in step.body if st.op == "gather"}
-    if len(prefetch) != 1:
+    if len(prefetch) > 1:
       raise ScheduleError(f"{where}: the body's gathers must all prefetch or none.")
     self.in_loop = True
     peak, peak_elements, self.body_grad_peak = 0, 0, 0
