@@ -24,6 +24,7 @@ from zjax._src.plan import compile_schedule
 from zjax._src.train import NonFiniteError, TrainState, Zero3, sharded_init, zero3
 from zjax._src.schedule import Schedule
 from zjax._src.trace import trace_program
+from zjax._src.version import __version__  # noqa: F401 (re-exported)
 
 __all__ = [
     "distributed",
@@ -50,4 +51,3 @@ __all__ = [
     "ScheduleMismatchError",
 ]
 
-__version__ = "0.1.0"

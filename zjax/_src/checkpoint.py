@@ -34,6 +34,7 @@ import tensorstore as ts
 from zjax._src import layout, offload, preemption
 from zjax._src import restore_plan as plan
 from zjax._src.restore_plan import CheckpointError, Leaf as _Leaf
+from zjax._src.version import __version__
 
 FORMAT = "zjax-checkpoint-v1"
 
@@ -138,7 +139,7 @@ class CheckpointManager:
     leaves = {part: [dataclasses.replace(leaf, checksum=sums[part][leaf.key]) for leaf in ls]
               for part, ls in leaves.items()}
     manifest = {
-        "format": FORMAT, "zjax_version": _version(), "train_step": int(state.step),
+        "format": FORMAT, "zjax_version": __version__, "train_step": int(state.step),
         "num_devices": trainer.schedule.num_devices,
         "schedule": trainer.schedule.to_json(),
         **{part: [dataclasses.asdict(leaf) for leaf in ls] for part, ls in leaves.items()},
@@ -237,7 +238,7 @@ def export_params(directory, step: int | None = None, *, save_to=None):
   """The natural-shape params of a checkpoint as a pytree of numpy arrays (nested dicts by
   path), read and checked one parameter at a time, with no mesh: each parameter's natural
   region is read straight into the returned array, so host memory holds the output, the
-  parameter being read and tensorstore's runtime (measured in the README). `save_to`: also
+  parameter being read and tensorstore's runtime (measured in docs/checkpoints.md). `save_to`: also
   write them as a plain orbax checkpoint (`orbax.checkpoint.StandardCheckpointer().restore(save_to)`
   gives the dict, for `model.apply` without zjax); an existing `save_to` is never
   overwritten.
@@ -446,8 +447,3 @@ def _first_line(e) -> str:
 def _check_writable(directory):
   if not os.access(directory, os.W_OK | os.X_OK):
     raise PermissionError("not writable")
-
-
-def _version() -> str:
-  from zjax import __version__
-  return __version__

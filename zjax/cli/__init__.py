@@ -1,1 +1,2 @@
-"""Command-line interface: `zjax inspect` (more subcommands arrive with later features)."""
+"""Command-line interface: `zjax train`, `zjax inspect`, `zjax bench` and `zjax launch`
+(entry point: zjax.cli.main; one module per subcommand)."""
