@@ -41,6 +41,25 @@ def test_bench_runs_and_writes_json_and_plots(tmp_path):
   assert sorted(p.name for p in tmp_path.glob("*.png")) == [
       "memory_vs_depth.png", "memory_vs_devices.png", "step_time.png"]
   assert "time / gspmd" in done.stdout
+  # XLA's partitioner warnings (GSPMD baselines) are counted, not shown; tables fit 80 columns
+  assert "Involuntary full rematerialization" not in done.stdout + done.stderr
+  assert max(len(line) for line in done.stdout.splitlines()) <= 80
+
+
+def test_partitioner_warnings_are_counted_and_the_rest_passes(capfd):
+  """What XLA's C++ logging writes to file descriptor 2 while a baseline compiles."""
+  import os
+
+  from zjax._src.xla_warnings import Held, partitioner_warnings_held
+  held = Held()
+  with partitioner_warnings_held(held):
+    os.write(2, b"W1202 spmd_partitioner.cc:652] Involuntary full rematerialization. The "
+                b"compiler was not able to go from sharding {devices=[8]} to {replicated}\n")
+    os.write(2, b"something else\n")
+    os.write(2, b"W1202 spmd_partitioner.cc:652] Involuntary full rematerialization. again\n")
+  err = capfd.readouterr().err
+  assert held.count == 2 and "Involuntary" not in err and "something else" in err
+  assert "warned 2 times" in held.summary()
 
 
 def test_bench_bad_input_exits_2(tmp_path):

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from rich import box
 from rich.table import Table
 
 import zjax
@@ -238,27 +239,32 @@ def machine() -> dict:
 # ---- output ------------------------------------------------------------------------------
 
 def main_tables(rows, n) -> list[Table]:
-  """Two tables (memory; communication and time), one row per method."""
+  """Three tables (memory; communication; time), one row per method, each narrow enough
+  for an 80-column terminal."""
   base = next(r for r in rows if r["method"] == "gspmd_fsdp")["step_seconds_median"]
   groups = [
-      ("memory", [("state", "state_bytes"), ("state / floor", "state_vs_floor"),
-                  ("temp", "temp_bytes"), ("temp / gspmd", "temp_vs_gspmd"),
-                  ("arguments", "argument_bytes")]),
-      ("communication and time", [
+      ("memory", [("state", "state_bytes"), ("state/floor", "state_vs_floor"),
+                  ("temp", "temp_bytes"), ("temp/gspmd", "temp_vs_gspmd"),
+                  ("args", "argument_bytes")]),
+      ("communication", [
           ("AG", "all_gather_count"), ("AG bytes", "all_gather_bytes"),
           ("RS", "reduce_scatter_count"), ("RS bytes", "reduce_scatter_bytes"),
-          ("A2A bytes", "all_to_all_bytes"), ("AR bytes", "all_reduce_bytes"),
-          ("comm / 3Ψ", "comm_vs_3psi"),
-          ("GFLOP", "flops"), ("setup s", "setup_seconds"), ("compile s", "compile_seconds"),
-          ("time / gspmd (min-max)", "time_vs_gspmd")])]
+          ("A2A", "all_to_all_bytes"), ("AR", "all_reduce_bytes"),
+          ("comm/3Ψ", "comm_vs_3psi")]),
+      ("time", [("GFLOP", "flops"), ("setup s", "setup_seconds"),
+                ("compile s", "compile_seconds"),
+                ("step time / gspmd (min-max)", "time_vs_gspmd")])]
+  captions = {"time": "the compiled step run here, interleaved rounds",
+              "memory": "as a GPU orders the step (zjax.hlo.compile_for_analysis)",
+              "communication": "counts and bytes (full buffers; A2A, AR: bytes) as a GPU "
+                               "orders the step"}
   tables = []
   for title, cols in groups:
-    table = Table(title=f"zjax bench, {title}: {n} devices, per device and training step",
-                  caption="memory and collectives: the step as a GPU orders it "
-                          "(zjax.hlo.compile_for_analysis); time: the compiled step run here")
-    table.add_column("method")
+    table = Table(title=f"zjax bench, {title}: {n} devices, per device and step",
+                  caption=captions[title], box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("method", no_wrap=True)
     for head, _ in cols:
-      table.add_column(head, justify="right")
+      table.add_column(head, justify="right", no_wrap=True)
     for r in rows:
       table.add_row(r["method"], *[_cell(r, key, base) for _, key in cols])
     tables.append(table)

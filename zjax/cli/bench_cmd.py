@@ -64,8 +64,8 @@ def run(args) -> int:
 
   from zjax.bench import run as bench
   console = Console()
-  if not console.is_terminal:  # logs and CI: wide enough for the tables
-    console = Console(width=140)
+  if not console.is_terminal:  # logs and CI: the width the tables are made for
+    console = Console(width=80)
   if jax.device_count() < args.devices:
     raise ValueError(f"--devices {args.devices}: only {jax.device_count()} present.")
   gpt = args.model == "gpt"
@@ -90,5 +90,8 @@ def run(args) -> int:
                                                              "compile_seconds") if k in row))
   bench.write_json(results, args.json)
   written = bench.plot(results, args.plots)
+  from zjax.bench.methods import PARTITIONER_WARNINGS
+  if PARTITIONER_WARNINGS.count:
+    console.print(PARTITIONER_WARNINGS.summary())
   console.print(f"wrote {args.json}, " + ", ".join(written))
   return 0
