@@ -22,8 +22,8 @@ memory). --old-flags sets `--xla_disable_hlo_passes=cse_barrier_expander
 executed programs (zjax otherwise undoes it, xla_options.py), without the executor's old
 chain of collectives. --zjax-from DIR runs the cases with the zjax package of another
 checkout: f5ee834, the last commit before the fix, sets those flags itself and chains every
-collective after the previous one, the configuration of the aborts and NaNs that README "CPU
-execution" explains.
+collective after the previous one, the configuration of the aborts and NaNs that
+docs/results.md "CPU execution" explains.
 """
 
 import argparse

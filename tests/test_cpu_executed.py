@@ -1,10 +1,11 @@
-"""What the CPU executes vs what the analysis judges (zjax/_src/xla_options.py, README "CPU
-execution"): programs zjax runs are compiled with XLA's own pipeline (no optimization
-barrier survives on CPU, even when XLA_FLAGS asks to keep them: undone, with one warning);
-`zjax.hlo.compile_for_analysis` keeps the barriers for its compile only and cannot be run.
-The CPU-executed step of the bench GPT is measured against the analysed one: the same
-reduce-scatters, at most the analysed all-gathers (CSE may merge a backward re-gather into
-the forward gather), and bitwise the same results every time it runs.
+"""What the CPU executes vs what the analysis judges (zjax/_src/xla_options.py,
+docs/results.md "CPU execution"): programs zjax runs are compiled with XLA's own pipeline
+(no optimization barrier survives on CPU, even when XLA_FLAGS asks to keep them: undone,
+with one warning); `zjax.hlo.compile_for_analysis` keeps the barriers for its compile
+only and cannot be run. The CPU-executed step of the bench GPT is measured against the
+analysed one: the same reduce-scatters, at most the analysed all-gathers (CSE may merge a
+backward re-gather into the forward gather), and bitwise the same results every time it
+runs.
 """
 
 import dataclasses

@@ -2,7 +2,8 @@
 default `zjax train` model and the Griffin-style recurrent model (remat + custom_vjp +
 inner scan per layer, rolled), 2 runs each, beside one busy process. Every run finishes,
 no step is non-finite, and the two runs' losses are bitwise equal. The full table (K >= 10
-per case, 4 busy processes, with and without the old flags) is in README "CPU execution"."""
+per case, 4 busy processes, with and without the old flags) is in docs/results.md "CPU
+execution"."""
 
 import json
 import pathlib

@@ -417,7 +417,7 @@ def test_dependencies_follow_calls_and_state_owners_follow_paths():
 
 def test_offload_memory_script_runs():
   """examples/offload_memory.py at tiny size (structure only; its numbers are in the
-  README): every run's bytes per parameter / N, the offloaded ones' masters on the host."""
+  docs/offload.md): every run's bytes per parameter / N, the offloaded ones' masters on the host."""
   import pathlib
   import subprocess
   import sys

@@ -17,6 +17,8 @@ import os
 
 import numpy as np
 
+__all__ = ["initialize", "global_batch", "check_same_schedule"]
+
 ENV_COORDINATOR = "ZJAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "ZJAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "ZJAX_PROCESS_ID"

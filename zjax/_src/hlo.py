@@ -94,6 +94,7 @@ def _platform(lowered) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
+  """One collective instruction of a compiled program's HLO text (`collectives`)."""
   kind: str  # all_gather, reduce_scatter, all_reduce, all_to_all, collective_permute
   bytes: int  # full-buffer bytes (see module docstring)
   shape: str

@@ -1,6 +1,6 @@
 """How zjax compiles: the programs it runs, and the ones it only analyses.
 
-Why two kinds (measured on jaxlib 0.10.2, README "CPU execution"): the executor pins its
+Why two kinds (measured on jaxlib 0.10.2, docs/results.md "CPU execution"): the executor pins its
 order with optimization barriers. XLA's GPU pipeline keeps them until after scheduling;
 its CPU pipeline removes them early (pass `cse_barrier_expander`). Kept on CPU (the old
 process-wide `--xla_disable_hlo_passes=cse_barrier_expander`), they become run-time
