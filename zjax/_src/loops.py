@@ -40,12 +40,16 @@ def stacked_params(program: FlatProgram, params, candidates: set[int]) -> dict[i
     op = program.ops[op_index]
     if op.primitive != "scan" or not p.shape or p.shape[0] != op.eqn.params["length"]:
       continue
-    positions = [j for j, a in enumerate(op.inputs)
-                 if isinstance(a, int) and p.index in views.get(a, ())]
+    positions = input_positions(op, p.index, views)
     if positions and all(chains.get(op.inputs[j]) is not None and
                          reads_one_layer(program, op, j) for j in positions):
       out[p.index] = op_index
   return out
+
+
+def input_positions(op, param: int, views) -> list[int]:
+  """The positions of `op`'s inputs that are views of parameter `param` (trace.param_views)."""
+  return [j for j, a in enumerate(op.inputs) if isinstance(a, int) and param in views.get(a, ())]
 
 
 def reads_one_layer(program, op, position) -> bool:

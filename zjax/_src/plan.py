@@ -267,15 +267,14 @@ def _rolled_body(trace, run, seg, buckets, elements, bucket_of, entries, config,
 def _scan_unread(trace, segments, stacked, bucket_of, entries, buckets) -> dict:
   """Scan segment -> its stacked buckets without gradient whose values a backward iteration
   does not read (loops.backward_unread): the loop step does not re-gather them."""
-  views = param_views(trace.program, len(trace.params))
-  out = {}
+  views, out = None, {}
   for seg in segments:
     members = [i for i, op in stacked.items() if op == seg.start]
     if not any(not ir.has_gradient(buckets[bucket_of[i]]) for i in members):
       continue
+    views = views or param_views(trace.program, len(trace.params))
     op = trace.program.ops[seg.start]
-    positions = {j: i for i in members for j, a in enumerate(op.inputs)
-                 if isinstance(a, int) and i in views.get(a, ())}
+    positions = {j: i for i in members for j in loops.input_positions(op, i, views)}
     unread = loops.backward_unread(op, {j: ir.has_gradient(entries[i])
                                         for j, i in positions.items()})
     out[seg.id] = frozenset(

@@ -17,7 +17,7 @@ _PARTITIONER = ("Involuntary full rematerialization", "spmd_partitioner")
 
 
 class Held:
-  """What `partitioner_warnings_held` kept back: `count` partitioner warning lines."""
+  """What `partitioner_warnings_held` kept back: `count` lines of XLA's SPMD partitioner."""
 
   def __init__(self):
     self.count = 0
@@ -47,7 +47,7 @@ def partitioner_warnings_held(held: Held):
       kept = []
       for line in text.splitlines(keepends=True):
         if any(mark in line for mark in _PARTITIONER):
-          held.count += "Involuntary" in line
+          held.count += 1
         else:
           kept.append(line)
       sys.stderr.write("".join(kept))
