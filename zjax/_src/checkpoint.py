@@ -30,8 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
+from jax.sharding import PartitionSpec as P
 
-from zjax._src import layout, offload, preemption
+from zjax._src import ir, layout, offload, preemption
 from zjax._src import restore_plan as plan
 from zjax._src.restore_plan import CheckpointError, Leaf as _Leaf
 from zjax._src.version import __version__
@@ -305,11 +306,14 @@ def _to_stored(state, schedule):
       raise CheckpointError(f"state.params leaf {leaf.path} has shape {tuple(x.shape)}, not "
                             f"the schedule's layout {layout.storage_shape(leaf.entry, n)}.")
     members = tuple(schedule.params[i].path for i in leaf.members) if leaf.rolled else ()
-    _add(tree, leaves, "params", f"p{k:05d}", leaf.path, x, leaf, k, members)
+    _add(tree, leaves, "params", f"p{k:05d}", leaf.path, _without_slices(x, leaf.entry),
+         leaf, k, members)
   for j, (path, x) in enumerate(jax.tree_util.tree_flatten_with_path(state.opt_state)[0]):
     path = jax.tree_util.keystr(path)
     index = layout.mirrored_storage(path, x.shape, schedule)
     leaf = schedule.storage[index] if index is not None else None
+    if leaf is not None:
+      x = _without_slices(x, leaf.entry)
     _add(tree, leaves, "opt", f"o{j:05d}", path, x, leaf, index)
   for j, (path, x) in enumerate(jax.tree_util.tree_flatten_with_path(state.extra)[0]):
     _add(tree, leaves, "extra", f"e{j:05d}", jax.tree_util.keystr(path), jnp.asarray(x),
@@ -334,6 +338,22 @@ def _add(tree, leaves, part, key, path, x, leaf, index, members=()):
 @jax.jit
 def _ravel(x):
   return jnp.ravel(x)
+
+
+def _without_slices(x, entry):
+  """A tensor-parallel leaf's storage [T, padded slice] saved as the flat natural layout
+  (natural order, zero-padded to a multiple of the devices): a checkpoint does not depend
+  on the tensor axis, and restores on any mesh with or without one."""
+  if entry.tensor_dim is None or entry.persistent:
+    return x
+  return _flat_natural(x, entry, x.sharding.mesh)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _flat_natural(x, entry, mesh):
+  flat = layout.natural_from_storage(x, entry).reshape(-1)
+  flat = jnp.pad(flat, (0, ir.padded_size(entry.size, mesh.size) - entry.size))
+  return layout.place(flat, mesh, P(tuple(mesh.axis_names)))
 
 
 @functools.partial(jax.jit, static_argnums=1)

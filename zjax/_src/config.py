@@ -88,6 +88,13 @@ class ZeroConfig:
       all-to-all exchanges them, and the receiver dequantizes, sums in float32 and divides
       by N. Persistent parameters' gradients are all-reduced unquantized.
     quantization_block: values per scale for both (default 256).
+    tensor_axes: mesh axes for tensor parallelism (default ``()``; one axis in this
+      version, e.g. ``("tensor",)``). Each parameter given a tensor spec (compile_schedule's
+      ``tensor_specs``, or Flax partitioning metadata) is split along one dimension over it
+      and zjax shards each slice over the data axes: 1/(S*T) per device. The axis must be
+      ``AxisType.Auto``: inside zjax's shard_map it is left to GSPMD, which inserts the
+      tensor-parallel collectives into the unchanged global-view model. The batch is split
+      over the data axes only and replicated over the tensor axis.
 
   Example:
     >>> cfg = ZeroConfig(prefetch_bucket_size=0, param_persistence_threshold=1e4)
@@ -112,6 +119,7 @@ class ZeroConfig:
   gather_quantization_phases: tuple[str, ...] = PHASES
   reduce_quantization: str | None = None
   quantization_block: int = 256
+  tensor_axes: tuple[str, ...] = ()
 
   def __init__(self, *, axis_name: Any = None, **values):
     # axis_name is an alias, not a field: dataclasses.replace(cfg, shard_axes=...) then
@@ -141,6 +149,8 @@ class ZeroConfig:
     object.__setattr__(self, "shard_axes", shard_axes)
     object.__setattr__(self, "replicate_axes", _check_replicate_axes(self.replicate_axes,
                                                                      shard_axes))
+    object.__setattr__(self, "tensor_axes", _check_tensor_axes(self.tensor_axes,
+                                                               self.data_axes))
     if not isinstance(self.secondary_partition, bool):
       raise ValueError(f"ZeroConfig.secondary_partition must be True or False, got "
                        f"{self.secondary_partition!r}.")
@@ -149,6 +159,10 @@ class ZeroConfig:
                        "secondary shard spans the shard axes inside each replica group (e.g. "
                        "a node); without a replicate axis set replicate_axes=('replica',) "
                        "on a 2-D mesh, or leave secondary_partition False.")
+    if self.secondary_partition and self.tensor_axes:
+      raise ValueError("ZeroConfig.secondary_partition (hpZ) with tensor_axes is not "
+                       "supported in this version; use HSDP (replicate_axes) or flat ZeRO-3 "
+                       "with tensor parallelism.")
     if self.gradient_reduction not in GRADIENT_REDUCTIONS:
       raise ValueError(f"ZeroConfig.gradient_reduction must be one of "
                        f"{list(GRADIENT_REDUCTIONS)}, got {self.gradient_reduction!r}.")
@@ -191,12 +205,20 @@ class ZeroConfig:
     out["replicate_axes"] = list(self.replicate_axes)
     out["shard_axes"] = list(self.shard_axes)
     out["gather_quantization_phases"] = list(self.gather_quantization_phases)
+    out["tensor_axes"] = list(self.tensor_axes)
+    if not self.tensor_axes:  # files stay as they were before tensor parallelism
+      del out["tensor_axes"]
     return out
 
   @property
   def data_axes(self) -> tuple[str, ...]:
     """Every axis the batch is split over: the replicate axes, then the shard axes."""
     return (*self.replicate_axes, *self.shard_axes)
+
+  @property
+  def mesh_axes(self) -> tuple[str, ...]:
+    """Every axis the config names: the data axes, then the tensor axes."""
+    return (*self.data_axes, *self.tensor_axes)
 
   @property
   def storage_axes(self) -> tuple[str, ...]:
@@ -254,6 +276,18 @@ def _check_replicate_axes(value: Any, shard_axes: tuple[str, ...]) -> tuple[str,
     if axis in shard_axes:
       raise ValueError(f"ZeroConfig.replicate_axes names {axis!r}, an axis parameters are "
                        f"sharded over (shard_axes): an axis either shards or replicates.")
+  return value
+
+
+def _check_tensor_axes(value: Any, data_axes: tuple[str, ...]) -> tuple[str, ...]:
+  value = _axis_tuple("tensor_axes", value, True) if value != () else ()
+  for axis in value:
+    if axis in data_axes:
+      raise ValueError(f"ZeroConfig.tensor_axes names {axis!r}, a data axis (shard_axes or "
+                       f"replicate_axes): an axis splits either the batch or the tensors.")
+  if len(value) > 1:
+    raise ValueError(f"ZeroConfig.tensor_axes names {len(value)} axes {value}; this version "
+                     f"supports one tensor axis. Merge them into one mesh axis.")
   return value
 
 

@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from zjax._src import collectives, ir, layout, offload, roll, xla_options
+from zjax._src import collectives, ir, layout, offload, roll, tensor_parallel, xla_options
 from zjax._src import segments as seg_lib
 from zjax._src.execute_loop import Loop
 from zjax._src.execute_rolled import RolledLoop
@@ -71,17 +71,21 @@ class _Runner:
     self.data_parallel = schedule.data_parallel_size
 
   def step(self, sharded_params, batch, extra=None):
-    specs = layout.storage_specs(self.schedule)
+    specs = layout.manual_specs(self.schedule)  # what the shard_map (data axes) sees
     leaves = layout.stored_leaves(sharded_params, self.schedule, "sharded_params")
     treedef = jax.tree_util.tree_structure(sharded_params)
     batch_specs = self._batch_specs(batch)
     program = self._device_program(sharded_params, batch, extra)
-    leaves = [layout.place(x, self.mesh, s) for x, s in zip(leaves, specs)]
+    leaves = [layout.place(x, self.mesh, s)
+              for x, s in zip(leaves, layout.storage_specs(self.schedule))]
     batch = jax.tree.map(lambda x, s: layout.place(x, self.mesh, s), batch, batch_specs)
     extra_specs = jax.tree.map(lambda _: P(), extra)
     extra = jax.tree.map(lambda x: layout.place(x, self.mesh, P()), extra)
+    # tensor parallelism: manual over the data axes only, the tensor axis left to GSPMD
+    manual = ({"axis_names": set(self.data_axes)} if self.schedule.config.tensor_axes
+              else {})
     run = jax.shard_map(program.run, mesh=self.mesh, in_specs=(specs, batch_specs, extra_specs),
-                        out_specs=((P(), extra_specs), specs), check_vma=False)
+                        out_specs=((P(), extra_specs), specs), check_vma=False, **manual)
     (loss, new_extra), grads = run(leaves, batch, extra)
     grads = jax.tree_util.tree_unflatten(treedef, grads)
     return (loss, grads) if extra is None else ((loss, new_extra), grads)
@@ -113,7 +117,8 @@ class _Runner:
     params = [jax.ShapeDtypeStruct(p.shape, jnp.dtype(p.dtype)) for p in self.schedule.params]
     trace = trace_for_schedule(self.loss_fn,
                                layout.natural_like(sharded_params, self.schedule, params),
-                               batch, self.schedule.config, self.schedule.axis_sizes, extra)
+                               batch, self.schedule.config, self.schedule.axis_sizes, extra,
+                               mesh=self.mesh)
     _check_trace_matches(trace, self.schedule)
     return _DeviceProgram(self.schedule, trace.program)
 
@@ -142,6 +147,7 @@ class _DeviceProgram:
     self.storage_axes, self.shard_axes = config.storage_axes, config.shard_axes
     self.mean_over = config.averaged_axes  # HSDP: gradient shards averaged over replicas
     self.secondary_partition = config.secondary_partition  # hpZ
+    self.tensor_axis = config.tensor_axes[0] if config.tensor_axes else None
     analysis = seg_lib.analyze(program, schedule.segments,
                                [ir.has_gradient(p) for p in schedule.params])
     self.chains, self.segments = analysis.chains, analysis.ios
@@ -295,6 +301,9 @@ class _State:
       # offload_params: each shard comes from the host here, where the schedule gathers
       chunks = [offload.on_device(x).astype(self.dp.compute_dtype(i))
                 for i, x in zip(members, chunks)]
+      if self.dp.tensor_axis:  # on every device's TP slices (tensor_parallel.py)
+        self.gathered.update(zip(members, self._gather_slices(b, phase, chunks, entries)))
+        return
       wire, _ = collectives.gather_wire(chunks, self.dp.gather_axes(phase),
                                         self.dp.gather_quantization(b, phase))
       if self.dp.secondary_partition:
@@ -302,6 +311,19 @@ class _State:
     values = collectives.unpack_wire(wire, chunks, entries, self.dp.n,
                                      self.dp.gather_quantization(b, phase))
     self.gathered.update(zip(members, values))
+
+  def _gather_slices(self, b, phase, chunks, entries):
+    """A bucket's gather under tensor parallelism: manual over the tensor axis too, so that
+    each device gathers its own TP slices over the data axes; the parameters come out
+    natural-shaped, split over the tensor axis on their tensor dimension."""
+    slices = [tensor_parallel.slice_entry(e) for e in entries]
+    quantization = self.dp.gather_quantization(b, phase)
+
+    def gather(local):
+      wire, _ = collectives.gather_wire(local, self.dp.gather_axes(phase), quantization)
+      return collectives.unpack_wire(wire, local, slices, self.dp.n, quantization)
+    return tensor_parallel.nested(gather, entries, self.dp.tensor_axis, "storage",
+                                  "natural")(chunks)
 
   def keep_secondary(self, b):
     secondary = collectives.secondary_rows(self.wires[b], self.dp.s.replicas,
@@ -327,9 +349,17 @@ class _State:
     grads = [self.full_grads.pop(i, None) for i in members]
     grads = [jnp.zeros(e.shape, self.dp.reduce_dtype(i)) if g is None else
              g.astype(self.dp.reduce_dtype(i)) for i, g, e in zip(members, grads, entries)]
-    chunks = collectives.reduce_scatter_bucket(grads, entries, self.dp.n, self.dp.storage_axes,
+    def scatter(grads, entries=entries):
+      return collectives.reduce_scatter_bucket(grads, entries, self.dp.n,
+                                               self.dp.storage_axes,
                                                self.dp.wire_dtype(members[0]),
                                                self.dp.mean_over, self.dp.reduce_quantization(b))
+    if self.dp.tensor_axis:  # each device reduce-scatters its TP slices (see gather)
+      slices = [tensor_parallel.slice_entry(e) for e in entries]
+      chunks = tensor_parallel.nested(lambda g: scatter(g, slices), entries,
+                                      self.dp.tensor_axis, "natural", "storage")(grads)
+    else:
+      chunks = scatter(grads)
     for i, chunk in zip(members, chunks):
       self.add_shard_grad(self.dp.storage_of[i], chunk)
 

@@ -67,11 +67,18 @@ class ParamEntry:
   # for a leaf stored on its own) and its row there.
   stack: str = ""
   layer: int = 0
+  # Tensor parallelism: the dimension split over the tensor axis (None: replicated over
+  # it) and that axis's size T. Each device works on the TP slice (that dimension / T);
+  # sharded storage holds every slice flat and padded over the data axes, [T, padded].
+  tensor_dim: int | None = None
+  tensor_size: int = 1
 
   def to_dict(self) -> dict:
     out = dataclasses.asdict(self)
     if not self.stack:  # most parameters: the file stays as it was before rolled storage
       del out["stack"], out["layer"]
+    if self.tensor_dim is None:  # and before tensor parallelism
+      del out["tensor_dim"], out["tensor_size"]
     return out
 
   @property
@@ -86,6 +93,25 @@ class ParamEntry:
   @property
   def layer_size(self) -> int:
     return int(np.prod(self.layer_shape, dtype=np.int64))
+
+  @property
+  def slice_shape(self) -> tuple[int, ...]:
+    """The shape of the TP slice one device computes with (its layer's, if stacked): the
+    tensor dimension divided by T; the whole layer shape without tensor parallelism."""
+    shape = list(self.layer_shape)
+    if self.tensor_dim is not None:
+      shape[self.tensor_dim] //= self.tensor_size
+    return tuple(shape)
+
+  @property
+  def slice_size(self) -> int:
+    """Elements one gather makes whole on one device (one TP slice of one layer)."""
+    return int(np.prod(self.slice_shape, dtype=np.int64))
+
+  @property
+  def tensor_slices(self) -> int:
+    """TP slices stored (T for a tensor-parallel parameter, else 1)."""
+    return 1 if self.tensor_dim is None else self.tensor_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,15 +244,16 @@ def padded_size(size: int, num_devices: int) -> int:
 
 
 def gathered_elements(entry, num_devices: int) -> int:
-  """Elements one gather of the parameter makes whole (padded): one layer if stacked."""
-  return padded_size(entry.layer_size, num_devices)
+  """Elements one gather of the parameter makes whole (padded) on one device: one layer if
+  stacked, its TP slice if tensor-parallel."""
+  return padded_size(entry.slice_size, num_devices)
 
 
 def local_elements(entry, num_devices: int) -> int:
   """Elements of the parameter each device stores."""
   if entry.persistent:
-    return entry.size
-  per_layer = padded_size(entry.layer_size, num_devices) // num_devices
+    return entry.size // entry.tensor_slices
+  per_layer = padded_size(entry.slice_size, num_devices) // num_devices
   return per_layer * entry.shape[0] if entry.stacked else per_layer
 
 

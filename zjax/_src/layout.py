@@ -20,12 +20,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from zjax._src import ir
+from zjax._src import ir, tensor_parallel, tensor_specs
 from zjax._src.errors import ZjaxError
 
 
 def storage_specs(schedule) -> list[P]:
-  """PartitionSpec of each leaf of the sharded layout (schedule.storage order)."""
+  """PartitionSpec of each leaf of the sharded layout (schedule.storage order): over the
+  storage axes, and a tensor-parallel leaf's slices over the tensor axis."""
+  axis = storage_axis(schedule.config)
+  tensor = schedule.config.tensor_axes[0] if schedule.config.tensor_axes else None
+  return [storage_spec(leaf.entry, axis, tensor) for leaf in schedule.storage]
+
+
+def manual_specs(schedule) -> list[P]:
+  """The storage specs as zjax's shard_map sees them: the data axes only (it is manual over
+  those; the tensor axis stays GSPMD's)."""
   axis = storage_axis(schedule.config)
   return [storage_spec(leaf.entry, axis) for leaf in schedule.storage]
 
@@ -50,9 +59,14 @@ def spec_entry(axes):
   return axes[0] if len(axes) == 1 else tuple(axes)
 
 
-def storage_spec(entry, axis) -> P:
+def storage_spec(entry, axis, tensor_axis=None) -> P:
+  """A leaf's storage spec over the storage axes `axis`, and over `tensor_axis` if given
+  and the leaf is tensor-parallel (None: the data axes only)."""
+  tp = tensor_axis if entry.tensor_dim is not None else None
   if entry.persistent:
-    return P()
+    return tensor_parallel.tp_spec(entry, tp) if tp else P()
+  if entry.tensor_dim is not None:  # [T, padded slice]
+    return P(tp, axis)
   return P(None, axis) if entry.stacked else P(axis)
 
 
@@ -61,7 +75,9 @@ def storage_shape(entry, num_devices: int) -> tuple[int, ...]:
   sharded, [layers, padded layer] if stacked."""
   if entry.persistent:
     return tuple(entry.shape)
-  padded = ir.padded_size(entry.layer_size, num_devices)
+  padded = ir.padded_size(entry.slice_size, num_devices)
+  if entry.tensor_dim is not None:
+    return (entry.tensor_size, padded)
   return (entry.shape[0], padded) if entry.stacked else (padded,)
 
 
@@ -82,7 +98,9 @@ def storage_from_natural(x, entry, num_devices: int, xp=jnp):
   """A natural-shape leaf as its storage (`xp`: jax.numpy, or numpy on the host)."""
   if entry.persistent:
     return x
-  pad = ir.padded_size(entry.layer_size, num_devices) - entry.layer_size
+  pad = ir.padded_size(entry.slice_size, num_devices) - entry.slice_size
+  if entry.tensor_dim is not None:  # row t: TP slice t, flat
+    return xp.pad(tp_rows(x, entry, xp), ((0, 0), (0, pad)))
   if entry.stacked:
     return xp.pad(xp.reshape(x, (entry.shape[0], -1)), ((0, 0), (0, pad)))
   return xp.pad(xp.ravel(x), (0, pad))
@@ -92,15 +110,34 @@ def natural_from_storage(x, entry):
   """Inverse of `storage_from_natural`: padding dropped, natural shape."""
   if entry.persistent:
     return x
+  if entry.tensor_dim is not None:
+    return natural_from_tp_rows(x[:, :entry.slice_size], entry)
   if entry.stacked:
     return x[:, :entry.layer_size].reshape(entry.shape)
   return x[:entry.size].reshape(entry.shape)
+
+
+def tp_rows(x, entry, xp=jnp):
+  """A natural tensor-parallel leaf as [T, slice size]: row t is slice t along its tensor
+  dimension, flat."""
+  d, t, shape = entry.tensor_dim, entry.tensor_size, tuple(entry.shape)
+  split = xp.reshape(x, shape[:d] + (t, shape[d] // t) + shape[d + 1:])
+  return xp.reshape(xp.moveaxis(split, d, 0), (t, -1))
+
+
+def natural_from_tp_rows(rows, entry):
+  """Inverse of `tp_rows`: the slices put back side by side along the tensor dimension."""
+  d = entry.tensor_dim
+  slices = rows.reshape((entry.tensor_size,) + entry.slice_shape)
+  return jnp.moveaxis(slices, 0, d).reshape(entry.shape)
 
 
 def storage_padding(x, entry):
   """The padding elements of a leaf's storage, flat (empty when there are none)."""
   if entry.persistent:
     return x.reshape(-1)[:0]
+  if entry.tensor_dim is not None:
+    return x[:, entry.slice_size:].reshape(-1)
   if entry.stacked:
     return x[:, entry.layer_size:].reshape(-1)
   return x[entry.size:]
@@ -203,6 +240,7 @@ def shard(params: Any, schedule, mesh) -> Any:
     (4096,)
   """
   check_mesh(schedule, mesh)
+  params = tensor_specs.unbox(params)  # Flax partitioning boxes: their values
   leaves = natural_leaves(params, schedule, "params")
   for leaf, entry in zip(leaves, schedule.params):
     _check_leaf(leaf, entry)
@@ -322,6 +360,12 @@ def check_mesh(schedule, mesh) -> None:
                f"The schedule was planned for {size} devices but the mesh axis {name!r} has "
                f"{mesh.shape[name]}")
       raise ZjaxError(f"{found}. Plan it for this mesh (compile_schedule(..., mesh=mesh)).")
+  for name, size in schedule.tensor_axis_sizes.items():
+    if mesh.shape.get(name) != size:
+      raise ZjaxError(f"The schedule splits tensors over axis {name!r} of size {size} "
+                      f"(ZeroConfig.tensor_axes), but the mesh has axes {dict(mesh.shape)}. "
+                      f"Plan it for this mesh (compile_schedule(..., mesh=mesh)).")
+  sizes = {**sizes, **schedule.tensor_axis_sizes}
   for name, size in mesh.shape.items():
     if name not in sizes:
       raise ZjaxError(f"Mesh axis {name!r} has size {size}, but the schedule does not use it "

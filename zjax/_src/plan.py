@@ -41,7 +41,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from zjax._src import ir, loop_parts, loops, roll
+from zjax._src import ir, loop_parts, loops, roll, tensor_parallel
+from zjax._src import tensor_specs as tensor_specs_lib
 from zjax._src import segments as seg_lib
 from zjax._src.config import ZeroConfig
 from zjax._src.errors import ScheduleError
@@ -54,7 +55,8 @@ def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
                      frozen: Any = None, extra: Any = None,
                      platform: str | None = None,
                      replica_sizes: tuple[int, ...] | None = None,
-                     axis_sizes: dict[str, int] | None = None) -> Schedule:
+                     axis_sizes: dict[str, int] | None = None,
+                     tensor_specs: Any = None, logical_axis_rules: Any = None) -> Schedule:
   """Trace `loss_fn(params, batch)` and plan its ZeRO-3 schedule.
 
   Args:
@@ -82,6 +84,17 @@ def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
     platform: the backend whose compiled program the report predicts ("cpu", "gpu",
       "tpu"); by default the mesh's, or JAX's default backend. On "cpu" 16-bit gradients
       are reduced in float32, as XLA's CPU collectives do, and the report counts those bytes.
+    tensor_specs: with `config.tensor_axes` (tensor parallelism), which dimension of each
+      parameter is split over the tensor axis: a pytree of `PartitionSpec`/None with the
+      params' structure, or a list of `(regex, PartitionSpec)` rules searched in the
+      "/"-joined parameter path ("params/Dense_0/kernel"; first match wins; no match:
+      replicated). Data axes in a spec are ignored (zjax shards every leaf over them).
+      Without it, Flax partitioning metadata is used: params boxed by
+      `nn.with_logical_partitioning` / `nn.with_partitioning`, or NNX state whose
+      variables carry sharding names.
+    logical_axis_rules: the rules mapping logical axis names of that metadata to mesh axes
+      (MaxText style, e.g. `[("embed", "fsdp"), ("mlp", "tensor")]`); by default the
+      rules of the enclosing `nn.logical_axis_rules` context.
 
   Example:
     >>> import jax, jax.numpy as jnp, zjax
@@ -95,13 +108,25 @@ def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
   if not isinstance(config, ZeroConfig):
     raise TypeError(f"config must be a zjax.ZeroConfig, got {type(config).__name__}.")
   sizes = resolve_axis_sizes(config, mesh, num_devices, replica_sizes, axis_sizes)
-  trace = trace_for_schedule(loss_fn, params, batch, config, sizes, extra)
+  tensor = tensor_parallel.resolve(params, config, mesh, axis_sizes, tensor_specs,
+                                   logical_axis_rules)
+  params = tensor_specs_lib.unbox(params)
+  trace = trace_for_schedule(loss_fn, params, batch, config, sizes, extra,
+                             mesh=_mesh_shape(config, mesh, axis_sizes))
   if platform is None:
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
   schedule = plan_schedule(trace, config, sizes, frozen=_frozen_indices(params, frozen, trace),
-                           platform=platform)
+                           platform=platform, tensor=tensor)
   object.__setattr__(schedule, "params_treedef", jax.tree_util.tree_structure(params))
   return schedule
+
+
+def _mesh_shape(config, mesh, axis_sizes):
+  """The mesh, or every axis's size in mesh order (tensor parallelism's constraints refer to
+  it); None without tensor axes."""
+  if not config.tensor_axes:
+    return None
+  return mesh if mesh is not None else dict(axis_sizes)
 
 
 def _frozen_indices(params, frozen, trace) -> frozenset:
@@ -118,18 +143,21 @@ def _frozen_indices(params, frozen, trace) -> frozenset:
 
 
 def plan_schedule(trace: ProgramTrace, config: ZeroConfig, axis_sizes: dict[str, int],
-                  frozen: frozenset = frozenset(), platform: str = "") -> Schedule:
+                  frozen: frozenset = frozenset(), platform: str = "",
+                  tensor=None) -> Schedule:
   """Plan a schedule from a traced program (see the module docstring for the steps);
-  `axis_sizes`: the size of every data axis (`resolve_axis_sizes`)."""
+  `axis_sizes`: the size of every data axis (`resolve_axis_sizes`); `tensor`: tensor
+  parallelism (`tensor_parallel.resolve`), None without."""
+  tensor = tensor_parallel.NONE if tensor is None else tensor
   with data_axis_bound(axis_sizes):  # vjps are traced here too
-    return _plan(trace, config, axis_sizes, frozen, platform)
+    return _plan(trace, config, axis_sizes, frozen, platform, tensor)
 
 
-def _plan(trace, config, axis_sizes, frozen, platform) -> Schedule:
+def _plan(trace, config, axis_sizes, frozen, platform, tensor) -> Schedule:
   rolling = None
   while True:
     try:
-      return _plan_with(trace, config, axis_sizes, frozen, platform, rolling)
+      return _plan_with(trace, config, axis_sizes, frozen, platform, rolling, tensor)
     except _DoNotRoll as e:  # plan that run unrolled, and say why
       rolling = roll.Rolling(tuple(r for r in e.rolling.runs if r is not e.run),
                              e.rolling.notes + (e.reason,))
@@ -141,7 +169,7 @@ class _DoNotRoll(Exception):
     self.rolling, self.run, self.reason = rolling, run, reason
 
 
-def _plan_with(trace, config, axis_sizes, frozen, platform, rolling) -> Schedule:
+def _plan_with(trace, config, axis_sizes, frozen, platform, rolling, tensor) -> Schedule:
   num_devices = int(np.prod([axis_sizes[a] for a in config.storage_axes], dtype=np.int64))
   replica_sizes = tuple(axis_sizes[a] for a in config.replicate_axes)
   shard_sizes = tuple(axis_sizes[a] for a in config.shard_axes)
@@ -149,8 +177,9 @@ def _plan_with(trace, config, axis_sizes, frozen, platform, rolling) -> Schedule
                 if num_devices == 1 or p.size <= config.param_persistence_threshold}
   sharded = {p.index for p in trace.params if p.index not in persistent}
   stacked = loops.stacked_params(trace.program, trace.params, sharded)
+  tensor_parallel.check_not_stacked(trace, tensor, stacked)
   if rolling is None:
-    rolling = _find_rolling(trace, config, persistent, frozen, set(stacked.values()))
+    rolling = _find_rolling(trace, config, persistent, frozen, set(stacked.values()), tensor)
   layers_of = {run.stacked[p][0]: run.stacked[p] for run in rolling.runs
                for p in range(len(run.stacked)) if run.stacked[p][0] in sharded}
   groups = _group_buckets(trace, persistent, frozen, stacked, layers_of)
@@ -163,7 +192,9 @@ def _plan_with(trace, config, axis_sizes, frozen, platform, rolling) -> Schedule
                     persistent=p.index in persistent, bucket=bucket_of.get(p.index),
                     uses=tuple(u.op for u in p.uses), frozen=p.index in frozen,
                     stacked=p.index in stacked, stack=stack_of.get(p.index, ("", 0))[0],
-                    layer=stack_of.get(p.index, ("", 0))[1])
+                    layer=stack_of.get(p.index, ("", 0))[1],
+                    tensor_dim=tensor.dim(p.index),
+                    tensor_size=tensor.size if tensor.dim(p.index) is not None else 1)
       for p in trace.params)
   buckets = tuple(
       ir.Bucket(id=b, module=module, dtype=dtype,
@@ -194,7 +225,7 @@ def _plan_with(trace, config, axis_sizes, frozen, platform, rolling) -> Schedule
                   num_ops=len(trace.ops),
                   program_hash=program_hash(o.primitive for o in trace.ops), params=entries,
                   buckets=buckets, segments=segments, forward=forward, backward=backward,
-                  rolling=rolling.notes)
+                  rolling=rolling.notes, tensor_sizes=tensor.sizes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,10 +351,13 @@ def _peak(body, elements) -> int:
   return peak
 
 
-def _find_rolling(trace, config, persistent, frozen, loop_ops) -> roll.Rolling:
+def _find_rolling(trace, config, persistent, frozen, loop_ops, tensor) -> roll.Rolling:
   """Runs of identical layers to run as loops (roll.py), unless config.roll_layers is off."""
   if not config.roll_layers:
     return roll.Rolling((), ("layer rolling is off (ZeroConfig.roll_layers=False)",))
+  if tensor.any:
+    return roll.Rolling((), ("layer rolling is off: this version does not roll layers of a "
+                             "tensor-parallel model (the layers run unrolled)",))
   facts = roll.param_facts(trace.params, persistent, frozen)
   return roll.find_runs(trace.program, facts, excluded=loop_ops)
 
@@ -349,6 +383,10 @@ def resolve_axis_sizes(config, mesh=None, num_devices=None, replica_sizes=None,
                      "the replicate axes' sizes are the mesh's, with axis_sizes= name them.")
   axes = config.data_axes
   if num_devices is not None:
+    if config.tensor_axes:
+      raise ValueError(f"num_devices= gives the shard axis's size only, but ZeroConfig."
+                       f"tensor_axes is {config.tensor_axes}; pass axis_sizes= with every "
+                       f"axis's size (or mesh=).")
     if len(config.shard_axes) > 1:
       raise ValueError(f"num_devices= names one shard axis's size, but ZeroConfig.shard_axes "
                        f"is {config.shard_axes}; pass axis_sizes= with every axis's size.")
@@ -368,16 +406,17 @@ def resolve_axis_sizes(config, mesh=None, num_devices=None, replica_sizes=None,
                          f"{tuple(mesh.shape)}; name the mesh axis {axis!r} or change the "
                          f"config.")
     for axis in mesh.axis_names:
-      if axis not in axes:
+      if axis not in config.mesh_axes:
         raise ValueError(f"Mesh axis {axis!r} is neither a shard axis (ZeroConfig.shard_axes="
                          f"{config.shard_axes!r}) nor a replicate axis (ZeroConfig."
-                         f"replicate_axes={config.replicate_axes!r}); add it to one of them "
-                         f"(replicate_axes: HSDP) or use a mesh without it.")
+                         f"replicate_axes={config.replicate_axes!r}) nor a tensor axis "
+                         f"(ZeroConfig.tensor_axes={config.tensor_axes!r}); add it to one of "
+                         f"them (replicate_axes: HSDP) or use a mesh without it.")
     axis_sizes = {a: int(mesh.shape[a]) for a in axes}
   else:
-    if not isinstance(axis_sizes, dict) or set(axis_sizes) != set(axes):
+    if not isinstance(axis_sizes, dict) or set(axis_sizes) != set(config.mesh_axes):
       raise ValueError(f"axis_sizes must give the size of exactly the config's axes "
-                       f"{list(axes)}, got {axis_sizes!r}.")
+                       f"{list(config.mesh_axes)}, got {axis_sizes!r}.")
     axis_sizes = {a: axis_sizes[a] for a in axes}
   for axis, size in axis_sizes.items():
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:

@@ -35,6 +35,15 @@ def render_schedule(s, sim) -> str:
 
 def _layout_words(s) -> str:
   """How the devices are used, for the header (nothing to add on a one-axis mesh)."""
+  if s.config.tensor_axes:
+    (axis, size), = s.tensor_axis_sizes.items()
+    split = sum(p.tensor_dim is not None for p in s.params)
+    return (_data_words(s) + f" x {size}-way tensor parallel over {axis} ({split} params "
+            f"split)")
+  return _data_words(s)
+
+
+def _data_words(s) -> str:
   sizes = "x".join(str(n) for n in s.axis_sizes.values())
   axes = ",".join(s.config.data_axes)
   if s.config.secondary_partition:
@@ -114,6 +123,8 @@ def render_param_table(trace, s) -> str:
     entry = entries[p.path]
     layout = "replicated" if entry.persistent else f"sharded 1/{s.num_devices}" + (
         " per layer" if entry.stacked else "")
+    if entry.tensor_dim is not None:  # tensor parallelism: which dim, over which axis
+      layout += f", dim {entry.tensor_dim} over {s.config.tensor_axes[0]}"
     uses = "; ".join(f"op {u.op} {u.primitive}" + (f" in {u.context}" if u.context else "")
                      for u in p.uses) or "-"
     notes = _notes(p) + ("; frozen" if entry.frozen else "")

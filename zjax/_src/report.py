@@ -58,6 +58,7 @@ def make_report(s, sim) -> dict:
       "peak_live_grad_bytes": max(sim.backward_grad_live, default=0),
       "state_bytes_per_device": state_bytes_per_device(s),
       "quantization": quantization_report(s, sim, gathers, reductions),
+      **tensor_report(s),
       "loops": [_loop_report(phase, st, sim, s)
                 for phase, phase_steps in (("forward", s.forward), ("backward", s.backward))
                 for st in phase_steps if st.op == ir.LOOP_OP],
@@ -103,9 +104,25 @@ def quantization_report(s, sim, gathers, reductions) -> dict:
   return out
 
 
+def tensor_report(s) -> dict:
+  """Tensor parallelism: the tensor axis's size, how many parameters (and what share of the
+  parameter state per device) are split over it. Its own collectives are GSPMD's: measured
+  from the compiled program (zjax.hlo.executed_by_axis), not predicted here."""
+  if not s.config.tensor_axes:
+    return {}
+  tp = [p for p in s.params if p.tensor_dim is not None]
+  state = state_bytes_per_device(s)
+  tp_state = sum(ir.local_elements(p, s.num_devices) * jnp.dtype(p.dtype).itemsize
+                 for p in tp)
+  return {"tensor_axis_sizes": s.tensor_axis_sizes, "tensor_parallel_params": len(tp),
+          "tensor_parallel_state_share": tp_state / max(state, 1)}
+
+
 def persistent_grad_bytes(s) -> int:
-  """Bytes of the persistent (replicated) parameters' gradients, as all-reduced."""
-  return sum(p.size * ir.reduce_wire_dtype(p.dtype, s.config, s.platform).itemsize
+  """Bytes of the persistent (replicated) parameters' gradients, as all-reduced (each device
+  all-reduces its TP slice of a tensor-parallel one)."""
+  return sum(p.size // p.tensor_slices *
+             ir.reduce_wire_dtype(p.dtype, s.config, s.platform).itemsize
              for p in s.params if p.persistent and ir.has_gradient(p))
 
 

@@ -173,7 +173,7 @@ def _plan_regroup(items, part, rows, target, leaf, schedule):
   is a flat leaf or a stack stored per row, else as replicated natural values."""
   entry, sharding = leaf.entry, target.sharding
   axis = sharding.spec[-1] if len(sharding.spec) else None
-  as_rows = not entry.persistent and all(
+  as_rows = not entry.persistent and entry.tensor_dim is None and all(
       len(s.stored) == (2 if s.members else 1) for s, _ in rows)
   width = target.shape[-1]  # the target's padded row
   keys, picks = [], []
@@ -216,6 +216,8 @@ def _conversion(leaf, entry, target):
   spec = tuple(sharding.spec)
   if entry.stacked and stored_stacked:
     return shape, sharding, None, entry.layer_size
+  if entry.tensor_dim is not None and not entry.persistent:  # saved flat natural
+    return (entry.size,), replicated, ("tensor", entry, shape, spec), 0
   if not entry.stacked and not stored_stacked:
     if entry.persistent:
       return (entry.size,), replicated, ("natural", tuple(entry.shape), spec), 0
@@ -280,6 +282,11 @@ def _convert(xs, conversion, mesh):
   kind = conversion[0]
   if kind in ("rows", "naturals"):
     return _regrouped(xs, conversion, mesh)
+  if kind == "tensor":  # natural values -> [T, padded slice] rows
+    _, entry, shape, spec = conversion
+    rows = layout.tp_rows(xs[0].reshape(entry.shape), entry)
+    return layout.place(jnp.pad(rows, ((0, 0), (0, shape[1] - rows.shape[1]))), mesh,
+                        P(*spec))
   x, (_, shape, spec) = xs[0], conversion
   if kind == "natural":  # -> persistent
     return x.reshape(shape)

@@ -56,6 +56,8 @@ class Schedule:
   # What layer rolling did: each rolled run, and why other repeated layers were not rolled
   # (for people; the executor reads the loop steps and the buckets' `layers`).
   rolling: tuple[str, ...] = ()
+  # Sizes of config.tensor_axes (tensor parallelism; () without).
+  tensor_sizes: tuple[int, ...] = ()
   # The params' pytree structure, known when compiled in this process (not saved in JSON).
   params_treedef = None
 
@@ -106,6 +108,11 @@ class Schedule:
     """Size of every data axis, replicate axes first (the row-major device order)."""
     return dict(zip(self.config.data_axes, (*self.replica_sizes, *self.shard_sizes)))
 
+  @property
+  def tensor_axis_sizes(self) -> dict[str, int]:
+    """Size of every tensor axis (tensor parallelism; empty without)."""
+    return dict(zip(self.config.tensor_axes, self.tensor_sizes))
+
   def report(self) -> dict:
     """Predicted per-device numbers for one training step, JSON-serialisable."""
     return report.make_report(self, self._simulation)
@@ -131,6 +138,7 @@ class Schedule:
         "platform": self.platform,
         "replica_sizes": list(self.replica_sizes),
         "shard_sizes": list(self.shard_sizes),
+        **({"tensor_sizes": list(self.tensor_sizes)} if self.tensor_sizes else {}),
         "config": self.config.to_dict(),
         "program": {"num_ops": self.num_ops, "hash": self.program_hash},
         "params": [p.to_dict() for p in self.params],
@@ -192,7 +200,8 @@ class Schedule:
 
     Compares parameter paths, shapes, dtypes and the use order of a fresh trace.
     """
-    trace = trace_for_schedule(loss_fn, params, batch, self.config, self.axis_sizes, extra)
+    trace = trace_for_schedule(loss_fn, params, batch, self.config, self.axis_sizes, extra,
+                               mesh={**self.axis_sizes, **self.tensor_axis_sizes})
     theirs = {p.path: p for p in self.params}
     for p in trace.params:
       mine = theirs.get(p.path)
@@ -283,6 +292,8 @@ def _parse(data) -> dict:
                           if "replica_sizes" in data else ()),
       shard_sizes=tuple(_int_list(data, "shard_sizes", "top level")
                         if "shard_sizes" in data else ()),
+      tensor_sizes=tuple(_int_list(data, "tensor_sizes", "top level")
+                         if "tensor_sizes" in data else ()),
       config=config,
       num_ops=_field(program, "num_ops", int, "'program'"),
       program_hash=_field(program, "hash", str, "'program'"),
@@ -300,13 +311,25 @@ def _parse(data) -> dict:
 def _parse_param(p, i) -> ir.ParamEntry:
   where = f"params[{i}]"
   _expect(isinstance(p, dict), f"{where} must be an object")
+  entry = _param_entry(p, where)
+  if entry.tensor_dim is not None:  # tensor parallelism: a dim that splits evenly
+    _expect(0 <= entry.tensor_dim < len(entry.shape) and entry.tensor_size >= 1 and
+            entry.shape[entry.tensor_dim] % entry.tensor_size == 0,
+            f"{where} ({entry.path}): tensor_dim {entry.tensor_dim} of shape "
+            f"{list(entry.shape)} does not split into {entry.tensor_size} slices")
+  return entry
+
+
+def _param_entry(p, where) -> ir.ParamEntry:
   return ir.ParamEntry(
       path=_field(p, "path", str, where), shape=tuple(_int_list(p, "shape", where)),
       dtype=_field(p, "dtype", str, where), persistent=_field(p, "persistent", bool, where),
       bucket=_field(p, "bucket", (int, type(None)), where),
       uses=tuple(_int_list(p, "uses", where)), frozen=_field(p, "frozen", bool, where),
       stacked=_optional(p, "stacked", bool, where, False),
-      stack=_optional(p, "stack", str, where, ""), layer=_optional(p, "layer", int, where, 0))
+      stack=_optional(p, "stack", str, where, ""), layer=_optional(p, "layer", int, where, 0),
+      tensor_dim=_optional(p, "tensor_dim", (int, type(None)), where, None),
+      tensor_size=_optional(p, "tensor_size", int, where, 1))
 
 
 def _parse_bucket(b, i) -> ir.Bucket:

@@ -22,7 +22,7 @@ from jax._src import core as jax_core
 from jax._src.interpreters import partial_eval as pe
 import numpy as np
 
-from zjax._src import ir
+from zjax._src import constraints, ir
 from zjax._src.errors import TraceError
 from zjax._src.program import INLINED_PRIMITIVES, FlatProgram, flatten_program
 
@@ -139,19 +139,24 @@ def data_axis_bound(axis_sizes: dict[str, int]):
 
 
 def trace_for_schedule(loss_fn, params, batch, config, axis_sizes: dict[str, int],
-                       extra=None):
+                       extra=None, mesh=None):
   """Trace as the executor runs: on one device's share of the batch, with the data axes
   (`axis_sizes`: name -> size) bound and floating-point parameters in the compute dtype.
-  The table keeps each parameter's own (storage) dtype."""
+  The table keeps each parameter's own (storage) dtype. With tensor axes, `mesh` (a jax
+  Mesh, or every axis's size in mesh order) is the mesh the model's sharding constraints
+  refer to."""
+  if config.tensor_axes and mesh is None:
+    raise ValueError("Tracing a tensor-parallel schedule needs the mesh (or its shape).")
+  mesh = constraints.abstract_mesh(mesh, config.data_axes) if config.tensor_axes else None
   as_computed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
       np.shape(x), ir.gather_dtype(x.dtype, config.compute_dtype)), params)
   share = int(np.prod(list(axis_sizes.values()), dtype=np.int64))
   device_batch = per_device_batch(batch, share)
   stored = [np.dtype(x.dtype) for x in jax.tree.leaves(params)]
-  key = _trace_key(loss_fn, as_computed, device_batch, extra, axis_sizes, stored)
+  key = _trace_key(loss_fn, as_computed, device_batch, extra, axis_sizes, stored, mesh)
   if key is not None and key in _TRACES:
     return _TRACES[key][1]
-  trace = _trace_bound(loss_fn, as_computed, device_batch, extra, axis_sizes)
+  trace = _trace_bound(loss_fn, as_computed, device_batch, extra, axis_sizes, config, mesh)
   trace = dataclasses.replace(trace, params=tuple(
       dataclasses.replace(p, dtype=d) for p, d in zip(trace.params, stored)))
   if key is not None:
@@ -168,22 +173,23 @@ _TRACES: dict = {}
 _MAX_TRACES = 4
 
 
-def _trace_key(loss_fn, params, batch, extra, axis_sizes, stored):
+def _trace_key(loss_fn, params, batch, extra, axis_sizes, stored, mesh):
   def shapes(tree):
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     return treedef, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x))))
                           for x in leaves)
   try:
     key = (id(loss_fn), shapes(params), shapes(batch), shapes(extra),
-           tuple(axis_sizes.items()), tuple(stored))
+           tuple(axis_sizes.items()), tuple(stored),
+           mesh)
     hash(key)
   except TypeError:  # an unhashable treedef (custom nodes): no caching
     return None
   return key
 
 
-def _trace_bound(loss_fn, as_computed, device_batch, extra, axis_sizes):
-  with data_axis_bound(axis_sizes):
+def _trace_bound(loss_fn, as_computed, device_batch, extra, axis_sizes, config, mesh):
+  with data_axis_bound(axis_sizes), constraints.tracing_mesh(mesh, config.data_axes):
     try:
       trace = trace_program(loss_fn, as_computed, device_batch, extra)
     except _UnboundAxisError as e:

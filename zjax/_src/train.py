@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 # No public dead-code elimination in JAX; this is the one jit applies.
 from jax._src.interpreters import partial_eval as pe
 
-from zjax._src import ir, layout, offload, offload_stream, optcheck, xla_options
+from zjax._src import ir, layout, offload, offload_stream, optcheck, tensor_specs, xla_options
 from zjax._src.errors import ZjaxError
 from zjax._src.execute import is_key, value_and_grad
 
@@ -289,6 +289,8 @@ def sharded_init(init_fn: Callable, schedule, mesh) -> Callable:
     >>> zjax.hlo.compile_for_analysis(build.lower(key, x)).memory_analysis()  # doctest: +SKIP
   """
   shardings = [NamedSharding(mesh, spec) for spec in layout.storage_specs(schedule)]
+  boxed_init = init_fn
+  init_fn = lambda *args: tensor_specs.unbox(boxed_init(*args))  # noqa: E731 (Flax boxes)
 
   def build(*args):
     """-> the storage leaves (schedule.storage order), each built after the previous."""
