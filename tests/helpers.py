@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 import zjax
 
@@ -63,6 +64,19 @@ def assert_parity(loss_fn, params, batch, *, n=8, config=None, rtol=RTOL, atol=A
   np.testing.assert_allclose(loss, ref_loss, rtol=rtol, atol=atol)
   assert_trees_close(grads, ref_grads, rtol=rtol, atol=atol)
   return schedule, compiled
+
+
+def steps_like_optax(trainer, state, loss_fn, optimizer, params, batch, steps):
+  """Run `steps` trainer steps beside plain optax on one device, losses equal at rtol 1e-5;
+  -> (the trainer's state, optax's params)."""
+  ref_params, ref_opt = params, optimizer.init(params)
+  for _ in range(steps):
+    state, metrics = trainer.step(state, batch)
+    ref_loss, grads = jax.value_and_grad(loss_fn)(ref_params, batch)
+    updates, ref_opt = optimizer.update(grads, ref_opt, ref_params)
+    ref_params = optax.apply_updates(ref_params, updates)
+    np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=RTOL)
+  return state, ref_params
 
 
 def assert_trees_close(a, b, *, rtol=RTOL, atol=ATOL):

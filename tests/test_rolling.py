@@ -17,7 +17,7 @@ import optax
 import pytest
 import real_models
 from flax import nnx
-from helpers import assert_parity, assert_trees_close, mesh_of, run_zjax
+from helpers import assert_parity, assert_trees_close, mesh_of, run_zjax, steps_like_optax
 from test_train import reference_run
 
 import zjax
@@ -379,13 +379,7 @@ def test_trainer_on_stacked_storage_inits_steps_and_groups_like_optax():
   big = [k for k, leaf in enumerate(schedule.storage) if leaf.rolled and local[k] > 600]
   assert len(big) == 4 and all([k] in groups for k in big)  # out (replicated), qkv, fc, proj
   assert all(len(g) == 1 or sum(local[k] for k in g) <= 600 for g in groups)
-  ref_params, ref_opt = params, opt.init(params)
-  for _ in range(3):
-    state, metrics = trainer.step(state, batch)
-    ref_loss, grads = jax.value_and_grad(loss)(ref_params, batch)
-    updates, ref_opt = opt.update(grads, ref_opt, ref_params)
-    ref_params = optax.apply_updates(ref_params, updates)
-    np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=1e-5)
+  state, ref_params = steps_like_optax(trainer, state, loss, opt, params, batch, 3)
   assert_trees_close(trainer.gather_params(state), ref_params, atol=PARAM_ATOL)
 
 
