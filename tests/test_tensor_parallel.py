@@ -284,3 +284,35 @@ def test_bad_input_is_refused_with_the_parameter_named():
   with pytest.raises(TraceError, match="drop the data axes"):
     zjax.compile_schedule(constrained, params, x, mesh=mesh, config=config,
                           tensor_specs=[("v", P("tensor"))])
+
+
+def test_nnx_model_with_partitioning_metadata():
+  from flax import nnx
+
+  def linear(d_in, d_out, names, rngs):
+    init = nnx.with_partitioning(nnx.initializers.lecun_normal(), names)
+    return nnx.Linear(d_in, d_out, kernel_init=init, rngs=rngs)
+
+  class MLP(nnx.Module):
+    def __init__(self, rngs):
+      self.up = linear(6, 18, (None, "tensor"), rngs)
+      self.down = linear(18, 6, ("tensor", None), rngs)
+
+    def __call__(self, x):
+      return self.down(jax.nn.relu(self.up(x)))
+
+  with nnx.use_eager_sharding(False):  # annotated variables without a mesh
+    graphdef, params = nnx.split(MLP(nnx.Rngs(0)), nnx.Param)
+
+  def loss_fn(p, x):
+    return jnp.mean(nnx.merge(graphdef, p)(x) ** 2)
+
+  mesh = auto_mesh((4, 2), ("fsdp", "tensor"))
+  config = zjax.ZeroConfig(tensor_axes=("tensor",), param_persistence_threshold=0)
+  schedule = zjax.compile_schedule(loss_fn, params, BATCH, mesh=mesh, config=config)
+  assert [p.tensor_dim for p in schedule.params] == [None, 0, None, 1]  # down, then up
+  step = zjax.value_and_grad(loss_fn, schedule, mesh=mesh)
+  loss, grads = step(zjax.shard(params, schedule, mesh), BATCH)
+  ref_loss, ref_grads = reference(loss_fn, params, BATCH)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
+  assert_trees_close(zjax.unshard(grads, schedule), ref_grads)

@@ -155,6 +155,8 @@ def _nnx_sharding_names(params):
     return None
   out = []
   for v in variables:
-    names = v.get_metadata().get("sharding_names", v.get_metadata().get("sharding"))
+    metadata = v.get_metadata()
+    names = next((metadata[k] for k in ("out_sharding", "sharding_names", "sharding")
+                  if metadata.get(k) is not None), None)
     out.append(tuple(names) if names is not None else None)
   return out if any(n is not None for n in out) else None
