@@ -299,21 +299,24 @@ def _to_stored(state, schedule):
   masters = getattr(state, "masters", None)
   param_leaves = layout.stored_leaves(state.params if masters is None else masters,
                                       schedule, "state.params")
-  tree = {"params": {}, "opt": {}, "extra": {}}
-  leaves = {"params": [], "opt": [], "extra": []}
-  for k, (x, leaf) in enumerate(zip(param_leaves, schedule.storage)):
+  for x, leaf in zip(param_leaves, schedule.storage):
     if tuple(x.shape) != layout.storage_shape(leaf.entry, n):
       raise CheckpointError(f"state.params leaf {leaf.path} has shape {tuple(x.shape)}, not "
                             f"the schedule's layout {layout.storage_shape(leaf.entry, n)}.")
+  opt = [(jax.tree_util.keystr(path), x) for path, x in
+         jax.tree_util.tree_flatten_with_path(state.opt_state)[0]]
+  mirrors = [layout.mirrored_storage(path, x.shape, schedule) for path, x in opt]
+  mirrored = [None if k is None else schedule.storage[k] for k in mirrors]
+  saved = _without_slices(list(param_leaves) + [x for _, x in opt],
+                          [leaf.entry for leaf in schedule.storage] +
+                          [None if leaf is None else leaf.entry for leaf in mirrored])
+  tree = {"params": {}, "opt": {}, "extra": {}}
+  leaves = {"params": [], "opt": [], "extra": []}
+  for k, (x, leaf) in enumerate(zip(saved, schedule.storage)):
     members = tuple(schedule.params[i].path for i in leaf.members) if leaf.rolled else ()
-    _add(tree, leaves, "params", f"p{k:05d}", leaf.path, _without_slices(x, leaf.entry),
-         leaf, k, members)
-  for j, (path, x) in enumerate(jax.tree_util.tree_flatten_with_path(state.opt_state)[0]):
-    path = jax.tree_util.keystr(path)
-    index = layout.mirrored_storage(path, x.shape, schedule)
-    leaf = schedule.storage[index] if index is not None else None
-    if leaf is not None:
-      x = _without_slices(x, leaf.entry)
+    _add(tree, leaves, "params", f"p{k:05d}", leaf.path, x, leaf, k, members)
+  for j, ((path, _), x, leaf, index) in enumerate(zip(opt, saved[len(schedule.storage):],
+                                                      mirrored, mirrors)):
     _add(tree, leaves, "opt", f"o{j:05d}", path, x, leaf, index)
   for j, (path, x) in enumerate(jax.tree_util.tree_flatten_with_path(state.extra)[0]):
     _add(tree, leaves, "extra", f"e{j:05d}", jax.tree_util.keystr(path), jnp.asarray(x),
@@ -340,20 +343,31 @@ def _ravel(x):
   return jnp.ravel(x)
 
 
-def _without_slices(x, entry):
-  """A tensor-parallel leaf's storage [T, padded slice] saved as the flat natural layout
-  (natural order, zero-padded to a multiple of the devices): a checkpoint does not depend
-  on the tensor axis, and restores on any mesh with or without one."""
-  if entry.tensor_dim is None or entry.persistent:
-    return x
-  return _flat_natural(x, entry, x.sharding.mesh)
+def _without_slices(xs, entries) -> list:
+  """Storage leaves as saved: a tensor-parallel one ([T, padded slice]; `entries`: the
+  parameter each leaf holds or mirrors, or None) in the flat natural layout (natural order,
+  zero-padded to a multiple of the devices), so that a checkpoint does not depend on the
+  tensor axis and restores on any mesh, with or without one. One program for all of them."""
+  split = [k for k, e in enumerate(entries)
+           if e is not None and e.tensor_dim is not None and not e.persistent]
+  if not split:
+    return list(xs)
+  out = list(xs)
+  flat = _flat_natural(tuple(xs[k] for k in split), tuple(entries[k] for k in split),
+                       xs[split[0]].sharding.mesh)
+  for k, x in zip(split, flat):
+    out[k] = x
+  return out
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
-def _flat_natural(x, entry, mesh):
-  flat = layout.natural_from_storage(x, entry).reshape(-1)
-  flat = jnp.pad(flat, (0, ir.padded_size(entry.size, mesh.size) - entry.size))
-  return layout.place(flat, mesh, P(tuple(mesh.axis_names)))
+def _flat_natural(xs, entries, mesh):
+  out = []
+  for x, entry in zip(xs, entries):
+    flat = layout.natural_from_storage(x, entry).reshape(-1)
+    flat = jnp.pad(flat, (0, ir.padded_size(entry.size, mesh.size) - entry.size))
+    out.append(layout.place(flat, mesh, P(tuple(mesh.axis_names))))
+  return out
 
 
 @functools.partial(jax.jit, static_argnums=1)

@@ -112,7 +112,7 @@ def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
                                    logical_axis_rules)
   params = tensor_specs_lib.unbox(params)
   trace = trace_for_schedule(loss_fn, params, batch, config, sizes, extra,
-                             mesh=_mesh_shape(config, mesh, axis_sizes))
+                             mesh=_trace_mesh(config, mesh, axis_sizes))
   if platform is None:
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
   schedule = plan_schedule(trace, config, sizes, frozen=_frozen_indices(params, frozen, trace),
@@ -121,7 +121,7 @@ def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
   return schedule
 
 
-def _mesh_shape(config, mesh, axis_sizes):
+def _trace_mesh(config, mesh, axis_sizes):
   """The mesh, or every axis's size in mesh order (tensor parallelism's constraints refer to
   it); None without tensor axes."""
   if not config.tensor_axes:

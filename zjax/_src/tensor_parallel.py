@@ -66,7 +66,7 @@ def resolve(params, config, mesh, axis_sizes, tensor_specs, logical_axis_rules
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
       raise ZjaxError(f"The size of axis {axis!r} must be a positive int, got {size!r}.")
   specs = specs_lib.mesh_specs(params, tensor_specs, logical_axis_rules)
-  dims = specs_lib.tensor_dims(params, specs, {axis: size}, known)
+  dims = specs_lib.tensor_dims(specs_lib.unbox(params), specs, {axis: size}, known)
   return TensorParallel(sizes=(size,), dims=tuple(dims))
 
 

@@ -36,22 +36,21 @@ def mesh_specs(params: Any, tensor_specs: Any = None, logical_axis_rules: Any = 
                ) -> list[P | None]:
   """One mesh-axis PartitionSpec (or None) per leaf of (unboxed) `params`, in leaf order:
   from `tensor_specs` if given, else from the params' Flax metadata, else all None."""
-  paths = [jax.tree_util.keystr(p) for p, _ in
-           jax.tree_util.tree_flatten_with_path(unbox(params))[0]]
+  key_paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(unbox(params))[0]]
+  paths = [jax.tree_util.keystr(p) for p in key_paths]
   if tensor_specs is not None:
     if _is_rule_list(tensor_specs):
-      return _from_rules(tensor_specs, params)
-    return _from_pytree(tensor_specs, params, paths)
+      return _from_rules(tensor_specs, key_paths)
+    return _from_pytree(tensor_specs, paths)
   return _from_metadata(params, logical_axis_rules, paths)
 
 
-def tensor_dims(params: Any, specs: list, tensor_sizes: dict[str, int],
+def tensor_dims(plain_params: Any, specs: list, tensor_sizes: dict[str, int],
                 known_axes: tuple[str, ...]) -> list[int | None]:
-  """The dimension of each leaf split over the (one) tensor axis, or None; every error names
-  the parameter."""
+  """The dimension of each leaf of (unboxed) `plain_params` split over the (one) tensor
+  axis, or None; every error names the parameter."""
   out = []
-  for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(unbox(params))[0],
-                                specs):
+  for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(plain_params)[0], specs):
     out.append(_tensor_dim(jax.tree_util.keystr(path), tuple(leaf.shape), spec,
                            tensor_sizes, known_axes))
   return out
@@ -100,7 +99,7 @@ def slash_path(path) -> str:
                   for k in path)
 
 
-def _from_rules(rules, params) -> list:
+def _from_rules(rules, key_paths) -> list:
   for i, (pattern, spec) in enumerate(rules):
     try:
       re.compile(pattern)
@@ -110,14 +109,12 @@ def _from_rules(rules, params) -> list:
     if spec is not None and not isinstance(spec, P):
       raise ZjaxError(f"tensor_specs rule {i} ({pattern!r}) maps to {spec!r}; expected a "
                       f"PartitionSpec or None.")
-  out = []
-  for path, _ in jax.tree_util.tree_flatten_with_path(unbox(params))[0]:
-    name = slash_path(path)
-    out.append(next((spec for pattern, spec in rules if re.search(pattern, name)), None))
-  return out
+  names = [slash_path(path) for path in key_paths]
+  return [next((spec for pattern, spec in rules if re.search(pattern, name)), None)
+          for name in names]
 
 
-def _from_pytree(tensor_specs, params, paths) -> list:
+def _from_pytree(tensor_specs, paths) -> list:
   leaf = lambda x: x is None or isinstance(x, P)  # noqa: E731
   flat = jax.tree_util.tree_flatten_with_path(tensor_specs, is_leaf=leaf)[0]
   by_path = {jax.tree_util.keystr(p): s for p, s in flat}
