@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 import zjax
-from zjax.models.gpt import GPT, GPTConfig
+from zjax.job.run import model_config
+from zjax.models.gpt import GPT
 
 parser = argparse.ArgumentParser()
 parser.add_argument("run_dir", help="a `zjax train --out-dir` directory")
@@ -29,9 +30,7 @@ print("exported", sum(x.size for x in jax.tree.leaves(params)), "parameters to",
 
 plain = ocp.StandardCheckpointer().restore(save_to)        # no zjax involved from here on
 settings = json.loads((run / "metrics.json").read_text())["settings"]
-model = GPT(GPTConfig(vocab_size=257, seq_len=settings["seq_len"], d_model=settings["d_model"],
-                      n_layer=settings["n_layer"], n_head=settings["n_head"],
-                      d_ff=settings["d_ff"], scan_layers=settings["scan"]))
+model = GPT(model_config(settings))  # the GPT those settings train
 tokens = jnp.asarray([list(b"def main():")], jnp.int32)
 logits = model.apply(plain, tokens)
 print("next byte after 'def main():' ->", repr(chr(int(logits[0, -1].argmax()))))

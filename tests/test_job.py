@@ -97,6 +97,27 @@ def test_train_unrolled_in_bf16_with_quantized_communication_and_offload(tmp_pat
   assert "masters + adam state (host)" in done.stdout
 
 
+def test_train_tensor_parallel_then_resume_without_it(tmp_path):
+  """--tensor-parallel 2: a (4, 2) mesh of (fsdp, tensor); the data-axis collectives are the
+  schedule's, the tensor axis's are GSPMD's; the checkpoint resumes on 2 devices without
+  tensor parallelism (the vocab is padded the same way for any T)."""
+  out = tmp_path / "run"
+  first = zjax_cli("train", *TINY, "--steps", "4", "--tensor-parallel", "2", "--lr", "1e-2",
+                   "--out-dir", str(out))
+  assert first.returncode == 0, first.stderr[-3000:]
+  assert "8 devices (4-way ZeRO-3 x 2-way tensor parallel)" in first.stdout
+  summary = json.loads((out / "metrics.json").read_text())["summary"]
+  assert summary["data_axis_collective_bytes"] == summary["schedule_collective_bytes"] > 0
+  assert summary["tensor_axis_collective_bytes"] > 0
+  second = zjax_cli("train", *TINY, "--steps", "6", "--devices", "2", "--lr", "1e-2",
+                    "--out-dir", str(out))
+  assert second.returncode == 0, second.stderr[-3000:]
+  assert "resumed from step 4" in second.stdout and "saved on 8 device(s), now 2" in \
+      second.stdout
+  losses = [row["loss"] for row in json.loads((out / "metrics.json").read_text())["train"]]
+  assert len(losses) == 6 and losses[-1] < losses[0] - 0.5
+
+
 def test_skipped_steps_are_printed_counted_and_too_many_stop_the_run(tmp_path):
   """A learning rate that makes the loss overflow: every skipped step is a line; after 3
   in a row the run saves the last good state and exits 1 saying what to check."""
@@ -130,7 +151,11 @@ def test_resume_with_another_model_fails_clearly(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--config", "/no/such/file.toml"], "does not exist"),
     (["--bogus-option", "3"], "unrecognized arguments: --bogus-option"),
-    (["--batch", "12", "--devices", "8"], "not divisible by devices 8"),
+    (["--batch", "12", "--devices", "8"], "not divisible by the 8 data-parallel devices"),
+    (["--batch", "6", "--tensor-parallel", "2"], "not divisible by the 4 data-parallel devices"),
+    (["--tensor-parallel", "3"], "tensor_parallel 3 does not divide devices 8"),
+    (["--tensor-parallel", "2", "--d-ff", "511"], "d_ff 511 is not divisible by tensor_parallel 2"),
+    (["--tensor-parallel", "2", "--scan"], "this version does not scan tensor-parallel layers"),
     (["--out-dir", "/proc/zjax-cannot-write-here"], "cannot be created or written"),
     (["--precision", "fp8"], "invalid choice: 'fp8'"),
     (["--reduce-quantization", "int2"], "invalid choice: 'int2'"),

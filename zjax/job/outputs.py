@@ -2,6 +2,7 @@
 curve (PNG), the metrics (JSON), a generated sample and the summary table at the end."""
 
 import json
+import math
 import pathlib
 
 import jax
@@ -25,8 +26,12 @@ def plan_table(schedule, num_params: int, param_bytes: int, offloaded: bool = Fa
   report = schedule.report()
   n = schedule.num_devices
   state = report["state_bytes_per_device"]
+  tensor = report.get("tensor_axis_sizes") or {}
+  t = math.prod(tensor.values())  # num_devices counts the data axes only
+  devices = (f"{n} devices" if not tensor else
+             f"{n * t} devices ({n}-way ZeRO-3 x {t}-way tensor parallel)")
   table = Table(title=f"Plan: GPT, {num_params:,} parameters ({format_bytes(param_bytes)}), "
-                      f"{n} devices, per device and step")
+                      f"{devices}, per device and step")
   table.add_column("")
   table.add_column("zjax (ZeRO-3)", justify="right")
   table.add_column("data parallel", justify="right")
@@ -76,6 +81,9 @@ SUMMARY_LABELS = {
     "all_to_all_bytes": "all-to-all bytes per step (compiled; qgZ)",
     "all_reduce_bytes": "all-reduce bytes per step (compiled)",
     "schedule_collective_bytes": "all-gather + reduce-scatter + all-to-all bytes (schedule)",
+    "data_axis_collective_bytes": "... of them over the data axes (compiled; == the schedule)",
+    "tensor_axis_collective_bytes": "collective bytes over the tensor axis (compiled; GSPMD's "
+                                    "tensor parallelism)",
     "all_gather_count": "all-gathers per step (compiled, as a GPU orders the step)",
     "cpu_executed_all_gather_count": "all-gathers per step the CPU executed (XLA's CPU compile)",
     "cpu_executed_step_temp_bytes": "step scratch memory the CPU executed (XLA's CPU compile)",

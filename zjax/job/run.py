@@ -10,10 +10,12 @@ is a function of the seed and the step).
 import dataclasses
 import time
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import AxisType
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -21,7 +23,8 @@ import zjax
 from zjax._src import hlo, layout
 from zjax.job import corpus as corpus_lib
 from zjax.job import outputs
-from zjax.models.gpt import GPT, GPTConfig, make_loss_fn
+from zjax.job import settings as settings_lib
+from zjax.models.gpt import GPT, LOGICAL_AXIS_RULES, GPTConfig, make_loss_fn
 
 PROMPT = b"def "
 
@@ -32,7 +35,7 @@ def train(settings, console: Console) -> dict:
   `max_consecutive_skips` non-finite steps in a row it saves the last good state and raises
   TrainingStopped."""
   start = time.perf_counter()
-  mesh = _mesh(settings.devices)
+  mesh = _mesh(settings.devices, settings.tensor_parallel)
   data = corpus_lib.stdlib_corpus(settings.corpus_bytes)
   console.print(f"corpus: {data.num_files} files of {data.source}, "
                 f"{len(data.train):,} train / {len(data.validation):,} validation bytes")
@@ -157,19 +160,34 @@ class _Loop:
                            f"{self.settings.checkpoint_dir}")
 
 
-def _mesh(num_devices: int):
+def _mesh(num_devices: int, tensor_parallel: int):
   devices = jax.devices()
   if len(devices) < num_devices:
     raise ValueError(f"devices {num_devices}: only {len(devices)} {devices[0].platform} "
                      f"device(s) are present; use --devices {len(devices)} or fewer.")
-  return jax.make_mesh((num_devices,), ("fsdp",), devices=devices[:num_devices])
+  if tensor_parallel == 1:
+    return jax.make_mesh((num_devices,), ("fsdp",), devices=devices[:num_devices])
+  # the tensor axis is GSPMD's inside zjax's shard_map: it must be Auto
+  return jax.make_mesh((num_devices // tensor_parallel, tensor_parallel), ("fsdp", "tensor"),
+                       axis_types=(AxisType.Auto, AxisType.Auto),
+                       devices=devices[:num_devices])
+
+
+def model_config(settings) -> GPTConfig:
+  """The GPT `settings` train (a TrainSettings, or the dict metrics.json keeps of one)."""
+  if isinstance(settings, dict):
+    settings = settings_lib.TrainSettings(**{k: v for k, v in settings.items()
+                                             if k in settings_lib.FIELDS})
+  return GPTConfig(vocab_size=corpus_lib.VOCAB_SIZE, seq_len=settings.seq_len,
+                   d_model=settings.d_model, n_layer=settings.n_layer, n_head=settings.n_head,
+                   d_ff=settings.d_ff, scan_layers=settings.scan,
+                   logical_axes=settings.tensor_parallel > 1,
+                   vocab_multiple=settings_lib.VOCAB_MULTIPLE)
 
 
 def _setup(settings, mesh):
-  cfg = GPTConfig(vocab_size=corpus_lib.VOCAB_SIZE, seq_len=settings.seq_len,
-                  d_model=settings.d_model, n_layer=settings.n_layer, n_head=settings.n_head,
-                  d_ff=settings.d_ff, scan_layers=settings.scan)
-  model = GPT(cfg)
+  tp = settings.tensor_parallel > 1
+  model = GPT(model_config(settings))
   loss_fn = make_loss_fn(model)
   tokens = jax.ShapeDtypeStruct((settings.batch, settings.seq_len + 1), jnp.int32)
   shapes = jax.eval_shape(model.init, jax.random.key(0),
@@ -183,9 +201,11 @@ def _setup(settings, mesh):
       roll_layers=settings.roll_layers,
       gather_quantization=_or_none(settings.gather_quantization),
       reduce_quantization=_or_none(settings.reduce_quantization),
-      quantization_block=settings.quantization_block)
+      quantization_block=settings.quantization_block,
+      tensor_axes=("tensor",) if tp else ())
   schedule = zjax.compile_schedule(loss_fn, shapes, {"tokens": tokens}, mesh=mesh,
-                                   config=config)
+                                   config=config,
+                                   logical_axis_rules=LOGICAL_AXIS_RULES if tp else None)
   lr = optax.warmup_cosine_decay_schedule(
       0.0, settings.lr, settings.warmup_steps, max(settings.steps, settings.warmup_steps + 1),
       settings.lr * settings.min_lr_ratio)
@@ -195,7 +215,7 @@ def _setup(settings, mesh):
                        max_consecutive_skips=settings.max_consecutive_skips or None,
                        offload_optimizer=settings.offload_optimizer,
                        offload_params=settings.offload_params)
-  leaves = jax.tree.leaves(shapes)
+  leaves = jax.tree.leaves(nn.unbox(shapes))
   count = sum(int(np.prod(x.shape)) for x in leaves)
   return model, loss_fn, trainer, count, sum(int(np.prod(x.shape)) * x.dtype.itemsize
                                              for x in leaves)
@@ -217,7 +237,10 @@ def _start(settings, ckpt, trainer, model, metrics_path, console):
 
 
 def _saved_devices(ckpt, step):
-  return ckpt._manifest(step)["num_devices"]
+  """Every device of the mesh that saved `step`: the data axes' and the tensor axis's."""
+  manifest = ckpt._manifest(step)
+  saved = zjax.Schedule.from_json(manifest["schedule"])
+  return manifest["num_devices"] * int(np.prod(saved.tensor_sizes, dtype=int))
 
 
 def _evaluator(loss_fn, trainer, validation, settings):
@@ -263,6 +286,14 @@ def _summary(settings, trainer, state, history, speed, seconds, batch) -> dict:
       "schedule_collective_bytes": report["all_gather_bytes"] +
       report["reduce_scatter_bytes"] + report["all_to_all_bytes"],
   }
+  if settings.tensor_parallel > 1:  # the tensor axis's collectives are GSPMD's, apart
+    by_axis = hlo.executed_by_axis(analysis.as_text(), dict(trainer.mesh.shape))
+    summary.update(
+        data_axis_collective_bytes=sum(
+            v for kind in ("all_gather", "reduce_scatter", "all_to_all")
+            for axes, v in by_axis.get(kind, {}).items() if "tensor" not in axes),
+        tensor_axis_collective_bytes=sum(v for per_axis in by_axis.values()
+                                         for axes, v in per_axis.items() if "tensor" in axes))
   if analysis.barriers_kept:  # CPU: what it ran differs from what a GPU runs
     cpu = lowered.compile()
     cpu_executed = hlo.executed(cpu.as_text())

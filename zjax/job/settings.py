@@ -27,6 +27,7 @@ class TrainSettings:
   quantization_block: int = 256  # values per scale (ZeroConfig.quantization_block)
   offload_optimizer: bool = False  # fp32 masters and adam state in host memory (zero3)
   offload_params: bool = False  # the parameter copies in host memory too (ZeRO-Infinity)
+  tensor_parallel: int = 1  # T: a (devices/T, T) mesh of (fsdp, tensor) axes, Megatron-style
   # run
   devices: int = 8  # simulated CPU devices (or the first N accelerators)
   steps: int = 300
@@ -50,15 +51,17 @@ class TrainSettings:
   def __post_init__(self):
     positive = ("d_model", "n_layer", "n_head", "d_ff", "seq_len", "devices", "steps", "batch",
                 "eval_every", "eval_batches", "checkpoint_every", "corpus_bytes", "log_every",
-                "quantization_block")
+                "quantization_block", "tensor_parallel")
     for name in positive:
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise SettingsError(f"{name} must be a positive integer, got {value!r}.")
-    if self.batch % self.devices:
-      raise SettingsError(f"batch {self.batch} is not divisible by devices {self.devices}: "
-                          f"use a batch that is a multiple of {self.devices} (e.g. "
-                          f"--batch {self.devices * max(1, self.batch // self.devices)}).")
+    self._check_tensor_parallel()
+    data = self.devices // self.tensor_parallel  # the batch is split over the data axis only
+    if self.batch % data:
+      raise SettingsError(f"batch {self.batch} is not divisible by the {data} data-parallel "
+                          f"devices: use a batch that is a multiple of {data} (e.g. "
+                          f"--batch {data * max(1, self.batch // data)}).")
     if self.d_model % self.n_head:
       raise SettingsError(f"d_model {self.d_model} is not divisible by n_head {self.n_head}.")
     if self.precision not in PRECISIONS:
@@ -79,11 +82,35 @@ class TrainSettings:
     if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
       raise SettingsError("warmup_steps must be >= 0 and min_lr_ratio in [0, 1].")
 
+  def _check_tensor_parallel(self):
+    t = self.tensor_parallel
+    if t == 1:
+      return
+    if self.devices % t:
+      raise SettingsError(f"tensor_parallel {t} does not divide devices {self.devices}: the "
+                          f"mesh is (devices / T, T); pick a T that divides {self.devices}.")
+    for name in ("n_head", "d_ff"):
+      if getattr(self, name) % t:
+        raise SettingsError(f"{name} {getattr(self, name)} is not divisible by "
+                            f"tensor_parallel {t}: the heads and the MLP width are split "
+                            f"over the tensor axis; pick a multiple of {t}.")
+    if VOCAB_MULTIPLE % t:
+      raise SettingsError(f"tensor_parallel {t} does not divide {VOCAB_MULTIPLE}, the "
+                          f"multiple the vocab is padded to: use 2, 4, 8, ... up to "
+                          f"{VOCAB_MULTIPLE}.")
+    if self.scan:
+      raise SettingsError("--scan with --tensor-parallel: this version does not scan "
+                          "tensor-parallel layers; drop --scan (the blocks run unrolled).")
+
   @property
   def checkpoint_dir(self) -> pathlib.Path:
     return pathlib.Path(self.out_dir) / "checkpoints"
 
 
+# The embedding rows are padded to a multiple of this (the padding ids are masked out of the
+# logits), so the vocab splits over any tensor_parallel dividing it and a checkpoint resumes
+# under another tensor_parallel.
+VOCAB_MULTIPLE = 64
 FIELDS = {f.name: f for f in dataclasses.fields(TrainSettings)}
 PRECISIONS = ("fp32", "bf16")
 GATHER_QUANTIZATIONS = ("none", "int8")
@@ -110,9 +137,13 @@ HELP = {  # what each setting does (the flags' help)
     "offload_params": "ZeRO-Infinity parameter offload (with --offload-optimizer): the "
                       "parameter copies in host memory too, each moved to the device by its "
                       "gather",
+    "tensor_parallel": "ZeRO-3 x tensor parallelism: a (devices/T, T) mesh of (fsdp, tensor) "
+                       "axes; the vocab, heads and MLP width split over tensor (Megatron's "
+                       "layout, from the model's logical axis names), every leaf sharded over "
+                       "fsdp; the batch is split over fsdp only",
     "devices": "simulated CPU devices, or the first N accelerators",
     "steps": "optimizer steps in all (a resumed run continues up to this step)",
-    "batch": "global batch in sequences (a multiple of --devices)",
+    "batch": "global batch in sequences (a multiple of --devices / --tensor-parallel)",
     "lr": "peak learning rate (adamw, warmup then cosine decay)",
     "warmup_steps": "linear warmup steps",
     "min_lr_ratio": "the cosine decay ends at lr x this",
