@@ -124,13 +124,24 @@ def encdec(batch_size=16) -> Case:
 
 
 # ---- NNX decoder: GQA, qk-norm, sliding window, soft-caps ------------------------------
+COLUMN, ROW = (None, "tensor"), ("tensor", None)  # tensor_parallel=True: Megatron's splits
+
+
+def _linear(d_in, d_out, sharding, rngs):
+  """A bias-free nnx.Linear, its kernel annotated with `sharding` names when given."""
+  init = nnx.initializers.lecun_normal()
+  if sharding is not None:
+    init = nnx.with_partitioning(init, sharding)
+  return nnx.Linear(d_in, d_out, use_bias=False, kernel_init=init, rngs=rngs)
+
+
 class GQAttention(nnx.Module):
 
-  def __init__(self, d, heads, kv_heads, window, rngs):
+  def __init__(self, d, heads, kv_heads, window, rngs, tp=False):
     self.heads, self.kv_heads, self.head_dim, self.window = heads, kv_heads, d // heads, window
-    self.q = nnx.Linear(d, heads * self.head_dim, use_bias=False, rngs=rngs)
-    self.kv = nnx.Linear(d, 2 * kv_heads * self.head_dim, use_bias=False, rngs=rngs)
-    self.o = nnx.Linear(heads * self.head_dim, d, use_bias=False, rngs=rngs)
+    self.q = _linear(d, heads * self.head_dim, COLUMN if tp else None, rngs)
+    self.kv = _linear(d, 2 * kv_heads * self.head_dim, COLUMN if tp else None, rngs)
+    self.o = _linear(heads * self.head_dim, d, ROW if tp else None, rngs)
     self.q_norm = nnx.RMSNorm(self.head_dim, rngs=rngs)
     self.k_norm = nnx.RMSNorm(self.head_dim, rngs=rngs)
 
@@ -153,13 +164,13 @@ class GQAttention(nnx.Module):
 
 class GQABlock(nnx.Module):
 
-  def __init__(self, d, window, rngs):
+  def __init__(self, d, window, rngs, tp=False):
     self.attn_norm = nnx.RMSNorm(d, rngs=rngs)
-    self.attn = GQAttention(d, heads=4, kv_heads=2, window=window, rngs=rngs)
+    self.attn = GQAttention(d, heads=4, kv_heads=2, window=window, rngs=rngs, tp=tp)
     self.mlp_norm = nnx.RMSNorm(d, rngs=rngs)
-    self.gate = nnx.Linear(d, 2 * d, use_bias=False, rngs=rngs)
-    self.up = nnx.Linear(d, 2 * d, use_bias=False, rngs=rngs)
-    self.down = nnx.Linear(2 * d, d, use_bias=False, rngs=rngs)
+    self.gate = _linear(d, 2 * d, COLUMN if tp else None, rngs)
+    self.up = _linear(d, 2 * d, COLUMN if tp else None, rngs)
+    self.down = _linear(2 * d, d, ROW if tp else None, rngs)
 
   def __call__(self, x):
     x = x + self.attn(self.attn_norm(x))
@@ -169,10 +180,10 @@ class GQABlock(nnx.Module):
 
 class GQADecoder(nnx.Module):
 
-  def __init__(self, vocab=61, d=32, layers=3, window=4, *, rngs):
-    self.embed = nnx.Embed(vocab, d, rngs=rngs)
+  def __init__(self, vocab=61, d=32, layers=3, window=4, *, rngs, tp=False):
+    self.embed = nnx.Embed(vocab, d, rngs=rngs)  # 61 rows: replicated over a tensor axis
     # alternating local (sliding-window) and global layers
-    self.blocks = nnx.List([GQABlock(d, window if i % 2 == 0 else 0, rngs)
+    self.blocks = nnx.List([GQABlock(d, window if i % 2 == 0 else 0, rngs, tp)
                             for i in range(layers)])
     self.final_norm = nnx.RMSNorm(d, rngs=rngs)
 
@@ -184,8 +195,11 @@ class GQADecoder(nnx.Module):
     return 30.0 * jnp.tanh(logits / 30.0)  # final logit soft-cap
 
 
-def nnx_gqa(batch_size=16) -> Case:
-  model = GQADecoder(rngs=nnx.Rngs(0))
+def nnx_gqa(batch_size=16, tensor_parallel=False) -> Case:
+  """tensor_parallel: q, kv, gate, up split by columns and o, down by rows over "tensor"
+  (nnx.with_partitioning; the variables carry the names, no mesh needed)."""
+  with nnx.use_eager_sharding(False):
+    model = GQADecoder(rngs=nnx.Rngs(0), tp=tensor_parallel)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   tokens = jax.random.randint(jax.random.key(3), (batch_size, 13), 0, 61)
 
