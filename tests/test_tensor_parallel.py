@@ -279,6 +279,12 @@ def test_bad_input_is_refused_with_the_parameter_named():
   with pytest.raises(ValueError, match="a data axis"):
     zjax.ZeroConfig(tensor_axes=("fsdp",))
 
+  for collective in (lambda v: jax.lax.psum(v, "tensor"),
+                     lambda v: v * jax.lax.axis_index("tensor")):
+    with pytest.raises(TraceError, match="'tensor' is a tensor axis .* outside a shard_map"):
+      zjax.compile_schedule(lambda p, x: loss(p, x) + collective(jnp.sum(p["v"])), params, x,
+                            mesh=mesh, config=config, tensor_specs=[("v", P("tensor"))])
+
   def constrained(p, x):  # a constraint naming the data axis
     return loss(p, jax.lax.with_sharding_constraint(x, P("fsdp", None)))
   with pytest.raises(TraceError, match="drop the data axes"):
@@ -437,3 +443,54 @@ def test_bf16_compute_with_quantized_gathers_and_reductions():
     updates, ref_opt = optimizer.update(grads, ref_opt, ref_params)
     ref_params = optax.apply_updates(ref_params, updates)
     np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=3e-2)
+
+
+def test_barriers_kept_and_steps_do_not_recompile():
+  """Every compute segment that reads gathered params is fenced by an optimization barrier
+  in the program as a GPU orders it (the nested tensor region must not lose them); a second
+  and third step compile nothing and donate the state."""
+  import logging
+  mesh, params, schedule = setup("fsdp4_tensor2", {"param_persistence_threshold": 8})
+  trainer = zjax.zero3(mlp_loss, optax.adamw(1e-2), schedule, mesh=mesh)
+  state = trainer.init(params)
+  text = zjax.hlo.compile_for_analysis(trainer.step.lower(state, BATCH)).as_text()
+  fenced = [s for s in schedule.forward + schedule.backward
+            if s.op == "compute" and schedule.segments[s.segment].buckets]
+  assert len(fenced) == 4 and text.count("opt-barrier(") >= len(fenced)
+  state, _ = trainer.step(state, BATCH)
+  records = []
+  handler = logging.Handler()
+  handler.emit = records.append
+  logging.getLogger("jax").addHandler(handler)
+  try:
+    with jax.log_compiles():
+      for _ in range(2):
+        old = state
+        state, _ = trainer.step(state, BATCH)
+        assert all(x.is_deleted() for x in jax.tree.leaves(old.params))
+  finally:
+    logging.getLogger("jax").removeHandler(handler)
+  assert not [r for r in records if "Compiling" in r.getMessage()]
+
+
+def test_a_loss_with_its_own_shard_map_over_the_tensor_axis():
+  """Collectives over the tensor axis are the user's inside their own shard_map (what the
+  error for a bare psum advises): it nests in zjax's region and computes the same."""
+  mesh = auto_mesh((4, 2), ("fsdp", "tensor"))
+  config = zjax.ZeroConfig(tensor_axes=("tensor",), param_persistence_threshold=0)
+
+  def loss(p, x):
+    h = x @ p["w"]
+    squares = jax.shard_map(lambda h: jax.lax.psum(jnp.sum(h * h, axis=1), "tensor"),
+                            in_specs=P(None, "tensor"), out_specs=P(), axis_names={"tensor"})
+    return jnp.mean(squares(h))
+
+  plain = lambda p, x: jnp.mean(jnp.sum((x @ p["w"]) ** 2, axis=1))  # noqa: E731
+  params = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(D, 8)), jnp.float32)}
+  schedule = zjax.compile_schedule(loss, params, BATCH, mesh=mesh, config=config,
+                                   tensor_specs=[("w", P(None, "tensor"))])
+  loss_value, grads = zjax.value_and_grad(loss, schedule, mesh=mesh)(
+      zjax.shard(params, schedule, mesh), BATCH)
+  ref_loss, ref_grads = reference(plain, params, BATCH)
+  np.testing.assert_allclose(loss_value, ref_loss, rtol=1e-5, atol=1e-6)
+  assert_trees_close(zjax.unshard(grads, schedule), ref_grads)

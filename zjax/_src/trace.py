@@ -193,6 +193,12 @@ def _trace_bound(loss_fn, as_computed, device_batch, extra, axis_sizes, config, 
     try:
       trace = trace_program(loss_fn, as_computed, device_batch, extra)
     except _UnboundAxisError as e:
+      if e.axis in config.tensor_axes:
+        raise TraceError(
+            f"{e} {e.axis!r} is a tensor axis (ZeroConfig.tensor_axes): GSPMD partitions "
+            f"the model over it, so the loss may not call collectives over it outside a "
+            f"shard_map of its own. Drop the call (GSPMD inserts the tensor collectives), "
+            f"or wrap that code in jax.shard_map(..., axis_names={{{e.axis!r}}}).") from None
       axes = tuple(axis_sizes)
       bound = f"its data axis {axes[0]!r}" if len(axes) == 1 else f"the data axes {axes}"
       raise TraceError(f"{e} zjax binds {bound} (ZeroConfig.shard_axes / axis_name and "
