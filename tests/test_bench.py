@@ -17,7 +17,7 @@ def test_bench_runs_and_writes_json_and_plots(tmp_path):
   methods = [r["method"] for r in results["compare"]]
   assert methods == ["zjax_rolled", "zjax_unrolled", "zjax_qwz", "zjax_qgz", "zjax_qwz_qgz",
                      "zjax_scanned", "gspmd_fsdp", "data_parallel", "zjax_hsdp", "zjax_hpz",
-                     "gspmd_hsdp"]
+                     "gspmd_hsdp", "zjax_tp", "gspmd_2d"]
   rows = {r["method"]: r for r in results["compare"]}
   for name in ("zjax_rolled", "zjax_unrolled", "zjax_qwz", "zjax_qgz", "zjax_qwz_qgz",
                "zjax_scanned", "zjax_hsdp", "zjax_hpz"):
@@ -25,6 +25,15 @@ def test_bench_runs_and_writes_json_and_plots(tmp_path):
     assert (r["all_gather_bytes"], r["reduce_scatter_bytes"], r["all_to_all_bytes"]) == \
         (r["predicted_all_gather_bytes"], r["predicted_reduce_scatter_bytes"],
          r["predicted_all_to_all_bytes"])
+  # ZeRO-3 x TP on 2 x 2: the fsdp-axis gathers and reduce-scatters are the schedule's;
+  # GSPMD's tensor-axis collectives appear in both TP rows
+  tp = rows["zjax_tp"]
+  assert tp["bytes_by_axis"]["all_gather"]["fsdp"] == tp["predicted_all_gather_bytes"]
+  assert tp["bytes_by_axis"]["reduce_scatter"]["fsdp"] == tp["predicted_reduce_scatter_bytes"]
+  for name in ("zjax_tp", "gspmd_2d"):
+    assert sum(v for axes in rows[name]["bytes_by_axis"].values()
+               for k, v in axes.items() if "tensor" in k) > 0
+  assert "ZeRO-3 x tensor parallelism: 2 x 2" in done.stdout
   # tiny model: most leaves replicated, chunks below a block; still well under the fp32 wire
   assert rows["zjax_qwz_qgz"]["comm_vs_3psi"] < 0.75 * rows["zjax_rolled"]["comm_vs_3psi"]
   assert rows["data_parallel"]["all_gather_count"] == 0

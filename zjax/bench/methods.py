@@ -17,6 +17,11 @@ On a 2 x N/2 mesh ("replica", "fsdp"; the batch split over both):
   zjax_hsdp      zjax, parameters sharded over "fsdp", replicated over "replica" (HSDP)
   zjax_hpz       zjax hpZ: storage over both axes, backward re-gathers within "fsdp"
   gspmd_hsdp     GSPMD with parameters sharded over "fsdp" only (the fair HSDP baseline)
+On an N/2 x 2 mesh ("fsdp", "tensor"; the batch split over "fsdp"), GPT with logical axis
+names (vocab, heads and MLP width over "tensor"):
+  zjax_tp        zjax ZeRO-3 x tensor parallelism (ZeroConfig.tensor_axes)
+  gspmd_2d       GSPMD with the weights sharded over both axes from the same names
+                 (MaxText's layout: embed -> fsdp, vocab / heads / mlp -> tensor)
 """
 
 import dataclasses
@@ -49,9 +54,10 @@ class Method:
   schedule: Any = None  # zjax only
 
 
-def zjax_method(name, loss_fn, params, batch, mesh, config, optimizer) -> Method:
+def zjax_method(name, loss_fn, params, batch, mesh, config, optimizer, **plan) -> Method:
+  """`plan`: more compile_schedule arguments (tensor_specs=, logical_axis_rules=)."""
   start = time.perf_counter()
-  schedule = zjax.compile_schedule(loss_fn, params, batch, mesh=mesh, config=config)
+  schedule = zjax.compile_schedule(loss_fn, params, batch, mesh=mesh, config=config, **plan)
   trainer = zjax.zero3(loss_fn, optimizer, schedule, mesh=mesh)
   box = [jax.block_until_ready(trainer.init(params))]
   setup = time.perf_counter() - start
@@ -71,16 +77,21 @@ def zjax_method(name, loss_fn, params, batch, mesh, config, optimizer) -> Method
                 seconds, schedule)
 
 
-def gspmd_method(name, loss_fn, params, batch, mesh, optimizer, shard_params) -> Method:
-  """GSPMD: parameters sharded over the mesh's last axis (or replicated), the batch over
-  every axis."""
+def gspmd_method(name, loss_fn, params, batch, mesh, optimizer, shard_params,
+                 param_specs=None, batch_axes=None) -> Method:
+  """GSPMD: parameters sharded over the mesh's last axis (or replicated), or by
+  `param_specs` (a pytree of PartitionSpecs like params); the batch over every axis, or
+  over `batch_axes`."""
   start = time.perf_counter()
   axis, n = mesh.axis_names[-1], mesh.shape[mesh.axis_names[-1]]
-  batch_axes = mesh.axis_names if len(mesh.axis_names) > 1 else axis
+  if batch_axes is None:
+    batch_axes = mesh.axis_names if len(mesh.axis_names) > 1 else axis
   spec = (lambda x: layout.largest_dim_spec(x.shape, n, axis)) if shard_params else \
       (lambda x: P())
+  specs = jax.tree.map(spec, params) if param_specs is None else param_specs
   placed = jax.tree.map(  # copies: the step donates them, the caller's params must survive
-      lambda x: jax.device_put(jnp.array(x, copy=True), NamedSharding(mesh, spec(x))), params)
+      lambda x, s: jax.device_put(jnp.array(x, copy=True), NamedSharding(mesh, s)), params,
+      specs)
   placed_batch = jax.tree.map(
       lambda x: jax.device_put(x, NamedSharding(mesh, P(batch_axes) if x.ndim else P())),
       batch)

@@ -39,14 +39,18 @@ class Model:
   batch: object
   config: object  # ZeroConfig
   scanned: "Model | None" = None  # the same model with its layers stacked (GPT only)
+  tensor: "Model | None" = None  # annotated with logical axis names (GPT only): params are
+  #                                Flax boxes, `rules` map the names to mesh axes
+  rules: tuple = ()
 
 
 def gpt_model(layers: int, d_model: int, batch_size: int, seq_len: int = 64) -> Model:
   from zjax.models.gpt import GPT, GPTConfig, make_loss_fn
 
-  def build(scan):
+  def build(scan, annotated=False):
     cfg = GPTConfig(n_layer=layers, d_model=d_model, d_ff=4 * d_model, seq_len=seq_len,
-                    scan_layers=scan)
+                    scan_layers=scan, logical_axes=annotated,
+                    vocab_multiple=TENSOR_PARALLEL if annotated else 1)
     model = GPT(cfg)
     tokens = jax.random.randint(jax.random.key(0), (batch_size, seq_len + 1), 0,
                                 cfg.vocab_size)
@@ -57,7 +61,9 @@ def gpt_model(layers: int, d_model: int, batch_size: int, seq_len: int = 64) -> 
                              param_persistence_threshold=4096)
     return Model(make_loss_fn(model), params, {"tokens": tokens}, config)
 
-  return dataclasses.replace(build(False), scanned=build(True))
+  from zjax.models.gpt import LOGICAL_AXIS_RULES
+  tensor = dataclasses.replace(build(False, annotated=True), rules=LOGICAL_AXIS_RULES)
+  return dataclasses.replace(build(False), scanned=build(True), tensor=tensor)
 
 
 def target_model(spec: str) -> Model:
@@ -80,6 +86,7 @@ def target_model(spec: str) -> Model:
                jax.tree.map(concrete, target.batch), target.config or zjax.ZeroConfig())
 
 
+TENSOR_PARALLEL = 2  # the tensor axis of the zjax_tp and gspmd_2d rows
 # Rows of the depth sweep and of the device sweep (the main table has every method).
 DEPTH_METHODS = ("zjax_rolled", "zjax_unrolled", "zjax_scanned", "gspmd_fsdp")
 DEVICE_METHODS = ("zjax_rolled", "gspmd_fsdp", "data_parallel")
@@ -119,7 +126,29 @@ def build_methods(model: Model, mesh, optimizer, hybrid=False, only=None) -> lis
         for name, config in (("zjax_hsdp", hsdp), ("zjax_hpz", hpz))]
     methods.append(("gspmd_hsdp", lambda: gspmd_method(
         "gspmd_hsdp", model.loss_fn, model.params, model.batch, mesh2d, optimizer, True)))
+  if hybrid and model.tensor is not None and n % TENSOR_PARALLEL == 0 and \
+      n // TENSOR_PARALLEL >= 2:
+    methods += tensor_parallel_methods(model.tensor, mesh, optimizer)
   return [make() for name, make in methods if only is None or name in only]
+
+
+def tensor_parallel_methods(model: Model, mesh, optimizer) -> list:
+  """zjax_tp and gspmd_2d on an N/T x T ("fsdp", "tensor") mesh of the same devices: the
+  same annotated model, its logical names mapped by the same rules."""
+  import flax.linen as nn
+  n, t = mesh.devices.size, TENSOR_PARALLEL
+  mesh2d = jax.make_mesh((n // t, t), ("fsdp", "tensor"), devices=list(mesh.devices.flat),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  params = nn.unbox(model.params)
+  specs = nn.logical_to_mesh(nn.get_partition_spec(model.params), model.rules)
+  config = dataclasses.replace(model.config, tensor_axes=("tensor",))
+  return [
+      ("zjax_tp", lambda: zjax_method("zjax_tp", model.loss_fn, model.params, model.batch,
+                                      mesh2d, config, optimizer,
+                                      logical_axis_rules=model.rules)),
+      ("gspmd_2d", lambda: gspmd_method("gspmd_2d", model.loss_fn, params, model.batch,
+                                        mesh2d, optimizer, True, param_specs=specs,
+                                        batch_axes="fsdp"))]
 
 
 def compare(model: Model, mesh, rounds: int, steps_per_round: int) -> list[dict]:
@@ -160,7 +189,18 @@ def _measured(method) -> dict:
     row[f"{kind}_count"] = executed.get(f"{kind}_count", 0)
     row[f"{kind}_bytes"] = executed.get(f"{kind}_bytes", 0)
   row["state_bytes"] = layout.per_device_bytes(method.state())
+  mesh_shape = _mesh_shape(method)
+  if "tensor" in mesh_shape:  # the TP rows: bytes over each axis
+    by_axis = hlo.executed_by_axis(method.analysis.as_text(), mesh_shape)
+    row["bytes_by_axis"] = {kind: {k: v for k, v in axes.items() if v}
+                            for kind, axes in by_axis.items()}
   return row
+
+
+def _mesh_shape(method) -> dict:
+  state = jax.tree.leaves(method.state())
+  mesh = getattr(state[0].sharding, "mesh", None) if state else None
+  return dict(mesh.shape) if mesh is not None else {}
 
 
 def _predicted(schedule) -> dict:
@@ -269,6 +309,33 @@ def main_tables(rows, n) -> list[Table]:
       table.add_row(r["method"], *[_cell(r, key, base) for _, key in cols])
     tables.append(table)
   return tables
+
+
+def tensor_table(rows, n) -> Table | None:
+  """zjax_tp beside gspmd_2d: state, temp, bytes over the data axis and over the tensor
+  axis (every kind), step time relative to gspmd_2d. None without those rows."""
+  tp = [r for r in rows if "bytes_by_axis" in r]
+  base = next((r for r in tp if r["method"] == "gspmd_2d"), None)
+  if base is None:
+    return None
+  table = Table(title=f"zjax bench, ZeRO-3 x tensor parallelism: {n // TENSOR_PARALLEL} x "
+                      f"{TENSOR_PARALLEL} (fsdp, tensor), per device and step",
+                caption="bytes as a GPU orders the step; AG, RS over fsdp; every "
+                        "collective's bytes over tensor; time: step time / gspmd_2d's",
+                box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 0))
+  for head in ("method", "state", "temp", "AG fsdp", "RS fsdp", "AR fsdp", "tensor",
+               "time"):
+    table.add_column(head, justify="left" if head == "method" else "right", no_wrap=True)
+  for r in tp:
+    axes = r["bytes_by_axis"]
+    over = lambda kind, axis: axes.get(kind, {}).get(axis, 0)  # noqa: E731
+    tensor = sum(v for per_axis in axes.values() for k, v in per_axis.items() if "tensor" in k)
+    table.add_row(r["method"], format_bytes(r["state_bytes"]), format_bytes(r["temp_bytes"]),
+                  format_bytes(over("all_gather", "fsdp")),
+                  format_bytes(over("reduce_scatter", "fsdp")),
+                  format_bytes(over("all_reduce", "fsdp")), format_bytes(tensor),
+                  f"{r['step_seconds_median'] / base['step_seconds_median']:.2f}")
+  return table
 
 
 def _cell(r, key, base) -> str:

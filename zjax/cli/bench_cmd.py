@@ -77,6 +77,9 @@ def run(args) -> int:
   results["compare"] = bench.compare(model, mesh, args.rounds, args.steps_per_round)
   for table in bench.main_tables(results["compare"], args.devices):
     console.print(table)
+  tensor = bench.tensor_table(results["compare"], args.devices)
+  if tensor is not None:
+    console.print(tensor)
   counts = [n for n in args.scale_devices if n <= jax.device_count()]
   results["devices"] = bench.scale_devices(model, counts) if counts else []
   results["depth"] = bench.scale_depth(make, args.scale_layers, mesh) if gpt and \
