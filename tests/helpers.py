@@ -1,5 +1,8 @@
 """Shared test helpers: meshes of N simulated devices and the parity check against plain JAX."""
 
+import contextlib
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +17,21 @@ ATOL = 1e-6
 def mesh_of(n: int, explicit: bool = True):
   kw = {} if explicit else {"axis_types": (jax.sharding.AxisType.Auto,)}
   return jax.make_mesh((n,), ("fsdp",), devices=jax.devices()[:n], **kw)
+
+
+@contextlib.contextmanager
+def compiles_logged():
+  """Yields the list of jax's "Compiling ..." messages logged inside the block."""
+  records, handler = [], logging.Handler()
+  handler.emit = records.append
+  logging.getLogger("jax").addHandler(handler)
+  compiled = []
+  try:
+    with jax.log_compiles():
+      yield compiled
+  finally:
+    logging.getLogger("jax").removeHandler(handler)
+    compiled += [r.getMessage() for r in records if "Compiling" in r.getMessage()]
 
 
 class LazyAnalysis:

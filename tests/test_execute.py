@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import (assert_parity, assert_trees_close, custom_vjp_matmul, mesh_of, mlp,
-                     run_zjax)
+from helpers import (assert_parity, assert_trees_close, compiles_logged, custom_vjp_matmul,
+                     mesh_of, mlp, run_zjax)
 
 import zjax
 
@@ -319,17 +319,9 @@ def mlp_step():
 def test_second_call_does_not_recompile():
   _, _, batch, _, _, step, sharded = mlp_step()
   step(sharded, batch)
-  with jax.log_compiles():
-    import logging
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("jax").addHandler(handler)
-    try:
-      step(sharded, batch)
-    finally:
-      logging.getLogger("jax").removeHandler(handler)
-  assert not [r for r in records if "Compiling" in r.getMessage()]
+  with compiles_logged() as compiled:
+    step(sharded, batch)
+  assert not compiled
 
 
 def test_bad_batch_and_mismatched_schedule():

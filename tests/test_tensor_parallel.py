@@ -22,7 +22,7 @@ import zjax
 from zjax._src import layout
 from zjax._src.errors import TraceError, ZjaxError
 
-from helpers import assert_trees_close, reference, steps_like_optax
+from helpers import assert_trees_close, compiles_logged, reference, steps_like_optax
 
 D, F = 6, 18  # a TP slice of w1 is 6 x 9 = 54 elements: not a multiple of N = 4
 RULES = [(r"w1", P(None, "tensor")), (r"b1", P("tensor")), (r"w2", P("tensor", None))]
@@ -449,7 +449,6 @@ def test_barriers_kept_and_steps_do_not_recompile():
   """Every compute segment that reads gathered params is fenced by an optimization barrier
   in the program as a GPU orders it (the nested tensor region must not lose them); a second
   and third step compile nothing and donate the state."""
-  import logging
   mesh, params, schedule = setup("fsdp4_tensor2", {"param_persistence_threshold": 8})
   trainer = zjax.zero3(mlp_loss, optax.adamw(1e-2), schedule, mesh=mesh)
   state = trainer.init(params)
@@ -458,19 +457,12 @@ def test_barriers_kept_and_steps_do_not_recompile():
             if s.op == "compute" and schedule.segments[s.segment].buckets]
   assert len(fenced) == 4 and text.count("opt-barrier(") >= len(fenced)
   state, _ = trainer.step(state, BATCH)
-  records = []
-  handler = logging.Handler()
-  handler.emit = records.append
-  logging.getLogger("jax").addHandler(handler)
-  try:
-    with jax.log_compiles():
-      for _ in range(2):
-        old = state
-        state, _ = trainer.step(state, BATCH)
-        assert all(x.is_deleted() for x in jax.tree.leaves(old.params))
-  finally:
-    logging.getLogger("jax").removeHandler(handler)
-  assert not [r for r in records if "Compiling" in r.getMessage()]
+  with compiles_logged() as compiled:
+    for _ in range(2):
+      old = state
+      state, _ = trainer.step(state, BATCH)
+      assert all(x.is_deleted() for x in jax.tree.leaves(old.params))
+  assert not compiled
 
 
 def test_a_loss_with_its_own_shard_map_over_the_tensor_axis():

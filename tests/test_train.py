@@ -6,7 +6,6 @@ reduction order in elements whose gradient is near zero (a few elements per laye
 """
 
 import dataclasses
-import logging
 
 import flax.linen as nn
 import jax
@@ -14,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close, mesh_of, mlp
+from helpers import assert_trees_close, compiles_logged, mesh_of, mlp
 
 import zjax
 
@@ -189,19 +188,12 @@ def test_steps_do_not_recompile_and_state_is_donated():
   trainer = zjax.zero3(loss, optax.adam(1e-2), schedule, mesh=mesh)
   state = trainer.init(params)
   state, _ = trainer.step(state, batch)
-  records = []
-  handler = logging.Handler()
-  handler.emit = records.append
-  logging.getLogger("jax").addHandler(handler)
-  try:
-    with jax.log_compiles():
-      for _ in range(2):
-        old = state
-        state, _ = trainer.step(state, batch)
-        assert all(x.is_deleted() for x in jax.tree.leaves(old.params))  # donated
-  finally:
-    logging.getLogger("jax").removeHandler(handler)
-  assert not [r for r in records if "Compiling" in r.getMessage()]
+  with compiles_logged() as compiled:
+    for _ in range(2):
+      old = state
+      state, _ = trainer.step(state, batch)
+      assert all(x.is_deleted() for x in jax.tree.leaves(old.params))  # donated
+  assert not compiled
 
 
 def test_nonfinite_steps_leave_the_state_unchanged():

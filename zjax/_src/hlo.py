@@ -187,19 +187,28 @@ def replica_groups(line: str) -> tuple:
 def axes_of_groups(groups, mesh_shape: dict) -> str:
   """The mesh axes a collective spans, from its replica groups: "+"-joined names (mesh
   order) of the axes whose device groups these are, e.g. "fsdp" or "data+fsdp". Device
-  numbers are positions in the mesh's flattened device array (SPMD partition ids)."""
+  numbers are positions in the mesh's flattened device array (SPMD partition ids). Groups
+  that are parts of such groups (GSPMD resharding between partial replications, e.g. pairs
+  strided inside one axis) are named by the fewest axes whose groups hold them, with
+  " (part)" appended: "fsdp (part)"."""
   names, dims = list(mesh_shape), [int(n) for n in mesh_shape.values()]
   ids = np.arange(int(np.prod(dims))).reshape(dims)
   found = {frozenset(g) for g in groups} if groups else {frozenset(ids.flat)}
+  covering = None
   for r in range(1, len(names) + 1):
     for subset in itertools.combinations(range(len(names)), r):
       rest = [a for a in range(len(names)) if a not in subset]
       size = int(np.prod([dims[a] for a in subset]))
-      rows = ids.transpose(rest + list(subset)).reshape(-1, size)
-      if {frozenset(row) for row in rows} == found:
-        return "+".join(names[a] for a in subset)
-  raise ValueError(f"Replica groups {groups} are not the device groups of any set of the "
-                   f"mesh axes {mesh_shape}.")
+      rows = {frozenset(row) for row in ids.transpose(rest + list(subset)).reshape(-1, size)}
+      key = "+".join(names[a] for a in subset)
+      if rows == found:
+        return key
+      if covering is None and all(any(g <= row for row in rows) for g in found):
+        covering = key + " (part)"
+  if covering is None:
+    raise ValueError(f"Replica groups {groups} are not the device groups of any set of the "
+                     f"mesh axes {mesh_shape}.")
+  return covering
 
 
 def executed_by_axis(hlo_text: str, mesh_shape: dict) -> dict:
