@@ -30,7 +30,7 @@ class GPTConfig:
   scan_layers: bool = False
   remat: bool = False
   dtype: Any = jnp.float32  # activation dtype
-  logical_axes: bool = False  # annotate the params with logical axis names (boxed params)
+  logical_axes: bool = False  # annotate the params with logical names (boxed; unrolled only)
   vocab_multiple: int = 1  # embedding rows padded to a multiple of this
 
   @property
