@@ -51,7 +51,7 @@ def gpt_case(steps, **settings):
   from zjax.job import corpus, run
   from zjax.job.settings import TrainSettings
   s = TrainSettings(steps=max(steps, 31), **settings)
-  model, _, trainer, _, _ = run._setup(s, run._mesh(s.devices))
+  model, _, trainer, _, _ = run._setup(s, run._mesh(s.devices, s.tensor_parallel))
   data = corpus.stdlib_corpus(s.corpus_bytes)
   state = trainer.init_from(model.init, jax.random.key(s.seed),
                             jnp.zeros((1, s.seq_len), jnp.int32))

@@ -4,7 +4,6 @@ for the packing). `axes` are mesh axis names (a tuple spans several, row-major).
 `quantization` (quantize.py; None: exact): ZeRO++ qwZ for gathers (the wire is each
 device's int8 values and scales), qgZ for gradients (an all-to-all of quantized chunks)."""
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

@@ -222,6 +222,14 @@ def executed_by_axis(hlo_text: str, mesh_shape: dict) -> dict:
   return out
 
 
+def bytes_over(by_axis: dict, axis: str, over: bool = True, kinds=None) -> int:
+  """Total bytes of an `executed_by_axis` result whose collectives span `axis` (or, with
+  over=False, do not), of every kind or of `kinds`."""
+  return sum(v for kind, per_axis in by_axis.items() if kinds is None or kind in kinds
+             for key, v in per_axis.items()
+             if (axis in key.split(" ")[0].split("+")) == over)
+
+
 def summarize(compiled) -> dict:
   """Counts and bytes per collective kind, as executed (a while body's once per iteration;
   once where XLA does not know the trip count), and per-device memory, of a compiled

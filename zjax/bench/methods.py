@@ -52,6 +52,7 @@ class Method:
   #                       included), the others place parameters and init the optimizer
   compile_seconds: float  # lowering + XLA compilation of the step as analysed, nothing else
   schedule: Any = None  # zjax only
+  mesh: Any = None  # the mesh the step runs on
 
 
 def zjax_method(name, loss_fn, params, batch, mesh, config, optimizer, **plan) -> Method:
@@ -74,7 +75,7 @@ def zjax_method(name, loss_fn, params, batch, mesh, config, optimizer, **plan) -
     return metrics["loss"]
 
   return Method(name, analysis, run, lambda: (box[0].params, box[0].opt_state), setup,
-                seconds, schedule)
+                seconds, schedule, mesh)
 
 
 def gspmd_method(name, loss_fn, params, batch, mesh, optimizer, shard_params,
@@ -118,7 +119,7 @@ def gspmd_method(name, loss_fn, params, batch, mesh, optimizer, shard_params,
     box[0], box[1], loss = compiled(box[0], box[1], placed_batch)
     return loss
 
-  return Method(name, compiled, run, lambda: (box[0], box[1]), setup, seconds)
+  return Method(name, compiled, run, lambda: (box[0], box[1]), setup, seconds, mesh=mesh)
 
 
 def _compile(lower_and_compile):

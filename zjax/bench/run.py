@@ -189,18 +189,12 @@ def _measured(method) -> dict:
     row[f"{kind}_count"] = executed.get(f"{kind}_count", 0)
     row[f"{kind}_bytes"] = executed.get(f"{kind}_bytes", 0)
   row["state_bytes"] = layout.per_device_bytes(method.state())
-  mesh_shape = _mesh_shape(method)
+  mesh_shape = dict(method.mesh.shape)
   if "tensor" in mesh_shape:  # the TP rows: bytes over each axis
     by_axis = hlo.executed_by_axis(method.analysis.as_text(), mesh_shape)
     row["bytes_by_axis"] = {kind: {k: v for k, v in axes.items() if v}
                             for kind, axes in by_axis.items()}
   return row
-
-
-def _mesh_shape(method) -> dict:
-  state = jax.tree.leaves(method.state())
-  mesh = getattr(state[0].sharding, "mesh", None) if state else None
-  return dict(mesh.shape) if mesh is not None else {}
 
 
 def _predicted(schedule) -> dict:
@@ -329,11 +323,11 @@ def tensor_table(rows, n) -> Table | None:
   for r in tp:
     axes = r["bytes_by_axis"]
     over = lambda kind, axis: axes.get(kind, {}).get(axis, 0)  # noqa: E731
-    tensor = sum(v for per_axis in axes.values() for k, v in per_axis.items() if "tensor" in k)
     table.add_row(r["method"], format_bytes(r["state_bytes"]), format_bytes(r["temp_bytes"]),
                   format_bytes(over("all_gather", "fsdp")),
                   format_bytes(over("reduce_scatter", "fsdp")),
-                  format_bytes(over("all_reduce", "fsdp")), format_bytes(tensor),
+                  format_bytes(over("all_reduce", "fsdp")),
+                  format_bytes(hlo.bytes_over(axes, "tensor")),
                   f"{r['step_seconds_median'] / base['step_seconds_median']:.2f}")
   return table
 
