@@ -3,10 +3,18 @@ KV heads, SwiGLU 28672, vocabulary 128256) as `jax.ShapeDtypeStruct`s: nothing i
 so zjax can plan it, and predict its communication, on any machine.
 
   zjax inspect examples/llama70b_shapes.py:llama70b --mesh 128x8 --axes replica,fsdp --summary
+
+With tensor parallelism (Megatron's split: q/k/v, gate and up by columns, the attention
+output and down projections by rows, the embedding and the head over the vocabulary), on a
+(replica, fsdp, tensor) mesh:
+
+  zjax inspect examples/llama70b_shapes.py:llama70b_tp --mesh 16x8x8 \
+      --axes replica,fsdp,tensor --summary
 """
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 LAYERS, D_MODEL, HEADS, KV_HEADS, D_FF, VOCAB = 80, 8192, 64, 8, 28672, 128256
 SEQ, BATCH = 4096, 8192  # one global batch of 8192 sequences (32M tokens)
@@ -59,3 +67,35 @@ def llama70b():
   # the embedding (1.05e9 elements) is one module: let it be gathered whole
   config = zjax.ZeroConfig(compute_dtype=jnp.bfloat16, max_live_parameters=int(2e9))
   return loss_fn, shapes(), batch, config
+
+
+# torchtitan-style rules on the "/"-joined parameter path, first match wins
+TENSOR_RULES = [(r"/(wq|wk|wv|w_gate|w_up)$", P(None, "tensor")),
+                (r"/(wo|w_down)$", P("tensor", None)),
+                (r"^embed$", P("tensor", None)), (r"^head$", P(None, "tensor"))]
+
+
+def unrolled_loss_fn(params, batch):
+  """As loss_fn, with one parameter dict per layer (this version of tensor parallelism
+  runs layers unrolled)."""
+  tokens = batch["tokens"]
+  x = params["embed"][tokens[:, :-1]]
+  for layer in params["layers"]:
+    x = _block(x, layer)
+  logits = _rms_norm(x, params["final_norm"]) @ params["head"]
+  labels = jax.nn.one_hot(tokens[:, 1:], VOCAB, dtype=logits.dtype)
+  return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * labels, axis=-1))
+
+
+def llama70b_tp():
+  """zjax inspect target with tensor parallelism: (loss_fn, params, batch, config,
+  tensor_specs); plan it with --mesh R x S x T --axes replica,fsdp,tensor."""
+  import zjax
+  params = shapes()
+  stacked = params.pop("layers")
+  params["layers"] = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
+                                   stacked) for _ in range(LAYERS)]
+  batch = {"tokens": jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32)}
+  config = zjax.ZeroConfig(compute_dtype=jnp.bfloat16, max_live_parameters=int(2e9),
+                           tensor_axes=("tensor",))
+  return unrolled_loss_fn, params, batch, config, TENSOR_RULES

@@ -137,3 +137,89 @@ def test_inspect_mesh_prints_the_three_layouts(capsys):
 def test_inspect_mesh_bad_input(capsys, args, message):
   out = zjax_cli(capsys, "inspect", "examples/llama70b_shapes.py:llama70b", "--summary", *args)
   assert out.returncode != 0 and message in out.stderr, out.stderr
+
+
+# ---- tensor parallelism: the Megatron-style estimate of the tensor axis -----------------
+TP_FILE = '''
+import jax, jax.numpy as jnp, zjax
+from jax.sharding import PartitionSpec as P
+
+D, F, HEADS = 8, 16, 2
+
+
+def loss_fn(p, x):
+  b = x.shape[0]
+  h = (x @ p["wqkv"]).reshape(b, HEADS, 3 * F // HEADS)  # heads split by a reshape
+  h = jnp.tanh(h).reshape(b, 3 * F) @ p["wo"]  # row-parallel
+  u = jax.nn.relu(h @ p["up_t"].T)  # column-parallel, stored transposed (F, D)
+  return jnp.mean((u @ p["down"]) ** 2)  # row-parallel
+
+
+def target():
+  s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  params = {"wqkv": s(D, 3 * F), "wo": s(3 * F, D), "up_t": s(F, D), "down": s(F, D)}
+  rules = [("wqkv", P(None, "tensor")), ("up_t", P("tensor", None)),
+           ("wo|down", P("tensor", None))]
+  config = zjax.ZeroConfig(tensor_axes=("tensor",), param_persistence_threshold=0)
+  return loss_fn, params, s(16, D), config, rules
+'''
+
+
+@pytest.fixture
+def tp_target(tmp_path):
+  path = tmp_path / "tp_target.py"
+  path.write_text(TP_FILE)
+  return f"{path}:target"
+
+
+def test_megatron_estimate_by_hand(tp_target):
+  from zjax.cli.target import load_target
+  t = load_target(tp_target)
+  sizes = {"fsdp": 4, "tensor": 2}
+  schedule = zjax.compile_schedule(t.loss_fn, t.params, t.batch, axis_sizes=sizes,
+                                   config=t.config, tensor_specs=t.tensor_specs)
+  rows = 16 // 4  # the batch is split over the data axis only
+  act = lambda width: rows * width * 4  # noqa: E731
+  # wqkv: nothing (its input is the batch, with no gradient); wo: its output (forward);
+  # up_t (transposed, split on its rows: columns of the matmul): the input's gradient
+  # (backward); down: its output
+  assert schedule.tensor_estimate == (
+      ("all_reduce", "forward", act(8)), ("all_reduce", "backward", act(8)),
+      ("all_reduce", "forward", act(8)))
+  assert zjax.Schedule.from_json(schedule.to_json()).tensor_estimate == \
+      schedule.tensor_estimate
+  report = schedule.report()
+  assert report["tensor_axis_estimated_count"] == 3
+  assert report["tensor_axis_estimated_bytes"] == 3 * act(8)
+  links = {"fsdp": LINKS["fsdp"], "tensor": Link(bandwidth=1e5, latency=0.01)}
+  prediction = comm_model.predict(schedule, links)
+  row = prediction["by_axis"]["tensor (estimate)"]
+  assert row["count"] == 3 and row["bytes"] == 3 * act(8)
+  # all-reduce over 2 devices: 2 (G-1) (alpha + B / (G beta))
+  assert row["seconds"] == pytest.approx(3 * 2 * (0.01 + act(8) / (2 * 1e5)))
+  assert prediction["seconds"] == pytest.approx(
+      row["seconds"] + prediction["by_axis"]["fsdp"]["seconds"] +
+      sum(r["seconds"] for k, r in prediction["by_axis"].items()
+          if k not in ("fsdp", "tensor (estimate)")))
+
+
+def test_inspect_a_three_axis_mesh_with_a_tensor_axis(capsys, tp_target):
+  out = zjax_cli(capsys, "inspect", tp_target, "--mesh", "2x2x2", "--axes",
+                 "replica,fsdp,tensor", "--summary")
+  assert out.returncode == 0, out.stderr
+  text = out.stdout
+  assert "tensor (estimate) bytes (time)" in text and "links:" in text and "tensor 900 GB/s" in text
+  assert "flat ZeRO-3" in text and "HSDP" in text and "hpZ" not in text.split("links:")[1]
+  assert "tensor_axis_estimated_bytes" in text and "axis_sizes                        {'replica': 2, 'fsdp': 2}" in text
+
+
+@pytest.mark.parametrize("args,message", [
+    ([], "has tensor axes ('tensor',): give every axis's size with --mesh"),
+    (["--mesh", "2x4", "--axes", "replica,fsdp"], "lacks the tensor axis 'tensor'"),
+    (["--mesh", "8", "--axes", "tensor"], "names only tensor axes"),
+    (["--mesh", "2x2x2", "--axes", "replica,fsdp,tensor", "--layout", "hpz"],
+     "--layout hpz: not with the target's tensor axes"),
+])
+def test_inspect_tensor_parallel_bad_input(capsys, tp_target, args, message):
+  out = zjax_cli(capsys, "inspect", tp_target, "--summary", *args)
+  assert out.returncode != 0 and message in out.stderr, out.stderr

@@ -14,6 +14,10 @@ reduce-scatter's input, the all-reduce's operand; as in `Schedule.report()`):
 and a step's communication time is the sum over its collectives (no overlap with compute
 or between collectives: an upper bound on exposed communication, and the right quantity
 for comparing layouts). The loss's scalar all-reduce is ignored.
+
+With tensor parallelism the tensor axis's collectives are GSPMD's, not the schedule's: they
+enter as the schedule's Megatron-style estimate (`tensor_comm.py`), under the key
+"AXIS (estimate)".
 """
 
 import dataclasses
@@ -63,8 +67,9 @@ def collective_seconds(kind: str, nbytes: int, group: int, link: Link) -> float:
 
 def predict(schedule, links: dict[str, Link] | None = None) -> dict:
   """Predicted communication of one training step: bytes and seconds per axis group (e.g.
-  "replica+fsdp") and in total. `links`: mesh axis -> Link (default `default_links`)."""
-  sizes = schedule.axis_sizes
+  "replica+fsdp"; a tensor axis's estimate as "tensor (estimate)") and in total. `links`:
+  mesh axis -> Link (default `default_links`, the tensor axes last)."""
+  sizes = {**schedule.axis_sizes, **schedule.tensor_axis_sizes}
   links = default_links(sizes) if links is None else links
   missing = [a for a in sizes if a not in links]
   if missing:
@@ -83,13 +88,23 @@ def predict(schedule, links: dict[str, Link] | None = None) -> dict:
     row["seconds"] += seconds
     row["count"] += 1
     total += seconds
+  for axis, size in schedule.tensor_axis_sizes.items():  # one tensor axis in this version
+    row = {"bytes": 0, "seconds": 0.0, "count": 0}
+    for kind, _, nbytes in schedule.tensor_estimate:
+      row["bytes"] += nbytes
+      row["seconds"] += collective_seconds(kind, nbytes, size, links[axis])
+      row["count"] += 1
+    if row["count"]:
+      by_axis[f"{axis} (estimate)"] = row
+      total += row["seconds"]
   return {"seconds": total, "by_axis": by_axis}
 
 
 def layouts(config: ZeroConfig, axes) -> dict[str, ZeroConfig]:
   """The three layouts of a mesh whose last axis is the node: flat ZeRO-3 over every axis,
   HSDP (shard over the last axis, replicate over the others) and hpZ (HSDP's replica
-  groups, storage over every axis, backward re-gathers inside the node)."""
+  groups, storage over every axis, backward re-gathers inside the node; not with tensor
+  axes, which this version does not combine with hpZ)."""
   axes = tuple(axes)
   base = dataclasses.replace(config, shard_axes=axes, replicate_axes=(),
                              secondary_partition=False)
@@ -97,19 +112,24 @@ def layouts(config: ZeroConfig, axes) -> dict[str, ZeroConfig]:
   if len(axes) > 1:
     hsdp = dataclasses.replace(base, shard_axes=axes[-1:], replicate_axes=axes[:-1])
     out["HSDP"] = hsdp
-    out["hpZ"] = dataclasses.replace(hsdp, secondary_partition=True)
+    if not config.tensor_axes:
+      out["hpZ"] = dataclasses.replace(hsdp, secondary_partition=True)
   return out
 
 
 def compare(trace, config: ZeroConfig, axis_sizes: dict[str, int],
-            links: dict[str, Link] | None = None, platform: str = "") -> list[dict]:
-  """Plan the traced program under each of `layouts` for a mesh of `axis_sizes` (axis ->
+            links: dict[str, Link] | None = None, platform: str = "",
+            tensor=None) -> list[dict]:
+  """Plan the traced program under each of `layouts` for a mesh of `axis_sizes` (data axis ->
   size, the node axis last) and predict each one's step: [{"layout", "schedule",
-  "state_bytes_per_device", "seconds", "by_axis"}], in layout order."""
-  links = default_links(axis_sizes) if links is None else links
+  "state_bytes_per_device", "seconds", "by_axis"}], in layout order. `tensor`: tensor
+  parallelism (`tensor_parallel.resolve`; its axis is not in `axis_sizes` and not laid out
+  here)."""
+  links = default_links((*axis_sizes, *config.tensor_axes)) if links is None else links
   rows = []
   for name, layout_config in layouts(config, axis_sizes).items():
-    schedule = plan_schedule(trace, layout_config, axis_sizes, platform=platform)
+    schedule = plan_schedule(trace, layout_config, axis_sizes, platform=platform,
+                             tensor=tensor)
     report = schedule.report()
     rows.append({"layout": name, "schedule": schedule,
                  "state_bytes_per_device": report["state_bytes_per_device"],

@@ -41,7 +41,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from zjax._src import ir, loop_parts, loops, roll, tensor_parallel
+from zjax._src import ir, loop_parts, loops, roll, tensor_comm, tensor_parallel
 from zjax._src import tensor_specs as tensor_specs_lib
 from zjax._src import segments as seg_lib
 from zjax._src.config import ZeroConfig
@@ -225,7 +225,8 @@ def _plan_with(trace, config, axis_sizes, frozen, platform, rolling, tensor) -> 
                   num_ops=len(trace.ops),
                   program_hash=program_hash(o.primitive for o in trace.ops), params=entries,
                   buckets=buckets, segments=segments, forward=forward, backward=backward,
-                  rolling=rolling.notes, tensor_sizes=tensor.sizes)
+                  rolling=rolling.notes, tensor_sizes=tensor.sizes,
+                  tensor_estimate=tuple(tensor_comm.megatron_estimate(trace, entries)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -107,7 +107,8 @@ def quantization_report(s, sim, gathers, reductions) -> dict:
 def tensor_report(s) -> dict:
   """Tensor parallelism: the tensor axis's size, how many parameters (and what share of the
   parameter state per device) are split over it. Its own collectives are GSPMD's: measured
-  from the compiled program (zjax.hlo.executed_by_axis), not predicted here."""
+  from the compiled program (zjax.hlo.executed_by_axis); here only a Megatron-style
+  estimate of their bytes (tensor_comm.py), labelled as one."""
   if not s.config.tensor_axes:
     return {}
   tp = [p for p in s.params if p.tensor_dim is not None]
@@ -115,7 +116,9 @@ def tensor_report(s) -> dict:
   tp_state = sum(ir.local_elements(p, s.num_devices) * jnp.dtype(p.dtype).itemsize
                  for p in tp)
   return {"tensor_axis_sizes": s.tensor_axis_sizes, "tensor_parallel_params": len(tp),
-          "tensor_parallel_state_share": tp_state / max(state, 1)}
+          "tensor_parallel_state_share": tp_state / max(state, 1),
+          "tensor_axis_estimated_count": len(s.tensor_estimate),
+          "tensor_axis_estimated_bytes": sum(n for *_, n in s.tensor_estimate)}
 
 
 def persistent_grad_bytes(s) -> int:

@@ -58,6 +58,9 @@ class Schedule:
   rolling: tuple[str, ...] = ()
   # Sizes of config.tensor_axes (tensor parallelism; () without).
   tensor_sizes: tuple[int, ...] = ()
+  # A Megatron-style estimate of the tensor axis's collectives, which are GSPMD's, not the
+  # schedule's: (kind, phase, bytes) each (tensor_comm.py; () without tensor parallelism).
+  tensor_estimate: tuple[tuple[str, str, int], ...] = ()
   # The params' pytree structure, known when compiled in this process (not saved in JSON).
   params_treedef = None
 
@@ -145,6 +148,7 @@ class Schedule:
         "buckets": [dataclasses.asdict(b) for b in self.buckets],
         "segments": [dataclasses.asdict(s) for s in self.segments],
         "rolling": list(self.rolling),
+        **({"tensor_estimate": list(self.tensor_estimate)} if self.tensor_estimate else {}),
         "forward": [s.to_dict_with_axes("forward", self.config, self.buckets)
                     for s in self.forward],
         "backward": [s.to_dict_with_axes("backward", self.config, self.buckets)
@@ -301,11 +305,23 @@ def _parse(data) -> dict:
       buckets=buckets,
       segments=tuple(_parse_segment(s, i) for i, s in enumerate(_items(data, "segments"))),
       rolling=tuple(_string_list(data, "rolling", "top level") if "rolling" in data else ()),
+      tensor_estimate=_tensor_estimate(data),
       forward=tuple(_parse_step(s, i, "forward", config, buckets)
                     for i, s in enumerate(_items(data, "forward"))),
       backward=tuple(_parse_step(s, i, "backward", config, buckets)
                      for i, s in enumerate(_items(data, "backward"))),
   )
+
+
+def _tensor_estimate(data) -> tuple:
+  rows = data.get("tensor_estimate", [])
+  _expect(isinstance(rows, list) and all(
+      isinstance(r, list) and len(r) == 3 and r[0] in ("all_reduce", "all_gather",
+                                                        "reduce_scatter") and
+      r[1] in ("forward", "backward") and isinstance(r[2], int) and r[2] >= 0 for r in rows),
+      "'tensor_estimate' must be a list of [kind, phase, bytes] (e.g. [\"all_reduce\", "
+      "\"forward\", 4096])")
+  return tuple(tuple(r) for r in rows)
 
 
 def _parse_param(p, i) -> ir.ParamEntry:

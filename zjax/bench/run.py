@@ -71,6 +71,10 @@ def target_model(spec: str) -> Model:
   made concrete: floats normal * 0.02, integers zero."""
   from zjax.cli.target import load_target
   target = load_target(spec)
+  if target.tensor_specs is not None or (target.config and target.config.tensor_axes):
+    raise ValueError(f"{spec}: zjax bench runs a target data parallel only (its tensor-"
+                     f"parallel rows use the built-in GPT); return a config without "
+                     f"tensor_axes and no tensor_specs.")
   keys = iter(jax.random.split(jax.random.key(0), len(jax.tree.leaves(
       (target.params, target.batch)))))
 

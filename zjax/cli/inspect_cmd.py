@@ -7,7 +7,7 @@ import time
 
 import jax
 
-from zjax._src import comm_model, offload_stream, render
+from zjax._src import comm_model, offload_stream, render, tensor_parallel, tensor_specs
 from zjax._src.config import ZeroConfig
 from zjax._src.plan import plan_schedule, resolve_axis_sizes
 from zjax._src.trace import trace_for_schedule
@@ -22,9 +22,12 @@ def add_parser(subparsers) -> None:
   p = subparsers.add_parser(
       "inspect", help="plan and print the ZeRO-3 schedule of a loss function",
       description="TARGET is PATH.py:FUNCTION or MODULE:FUNCTION; the function returns "
-                  "(loss_fn, params, batch) or (loss_fn, params, batch, ZeroConfig), where "
-                  "params and batch may be jax.ShapeDtypeStructs. Planning is analytic: "
-                  "--devices may exceed the devices present.")
+                  "(loss_fn, params, batch), (loss_fn, params, batch, ZeroConfig) or, for "
+                  "tensor parallelism (ZeroConfig.tensor_axes, planned with --mesh), "
+                  "(loss_fn, params, batch, ZeroConfig, tensor_specs) as for "
+                  "zjax.compile_schedule, where params and batch may be "
+                  "jax.ShapeDtypeStructs. Planning is analytic: --devices and --mesh may "
+                  "exceed the devices present.")
   p.add_argument("target", help="PATH.py:FUNCTION or MODULE:FUNCTION (see above)")
   p.add_argument("--devices", type=int, default=None,
                  help="number of devices N to plan for (default: devices present)")
@@ -76,12 +79,20 @@ def run(args: argparse.Namespace) -> int:
   target = load_target(args.target)
   config = _config(target.config, args)
   platform = args.platform or jax.default_backend()
-  sizes, layouts = _mesh(args, config)
+  sizes, layouts, mesh_sizes = _mesh(args, config)
   if layouts:
+    if len(layouts) > 1 and _LAYOUTS[args.layout] not in layouts:
+      raise ValueError(f"--layout {args.layout}: not with the target's tensor axes (this "
+                       f"version does not combine hpZ with tensor parallelism); use --layout "
+                       f"hsdp or flat.")
     config = layouts[_LAYOUTS[args.layout]] if len(layouts) > 1 else layouts["flat ZeRO-3"]
   start = time.perf_counter()
-  trace = trace_for_schedule(target.loss_fn, target.params, target.batch, config, sizes)
-  schedule = plan_schedule(trace, config, sizes, platform=platform)
+  tensor = tensor_parallel.resolve(target.params, config, None, mesh_sizes,
+                                   target.tensor_specs, None)
+  params = tensor_specs.unbox(target.params)
+  trace = trace_for_schedule(target.loss_fn, params, target.batch, config, sizes,
+                             mesh=mesh_sizes if config.tensor_axes else None)
+  schedule = plan_schedule(trace, config, sizes, platform=platform, tensor=tensor)
   seconds = time.perf_counter() - start
   report = schedule.report()
   if not args.summary:
@@ -92,9 +103,10 @@ def run(args: argparse.Namespace) -> int:
   if args.offload_optimizer or args.offload_params:
     print(_format_offload(schedule, args.offload_params))
   if layouts:
-    links = _links(args.link, sizes)
+    links = _links(args.link, mesh_sizes)
     print()
-    print(format_comparison(comm_model.compare(trace, config, sizes, links, platform), links))
+    print(format_comparison(comm_model.compare(trace, config, sizes, links, platform, tensor),
+                            links))
   if args.save:
     schedule.save(args.save)
     print(f"schedule written to {args.save}")
@@ -108,8 +120,13 @@ def run(args: argparse.Namespace) -> int:
 _LAYOUTS = {"flat": "flat ZeRO-3", "hsdp": "HSDP", "hpz": "hpZ"}
 
 
-def _mesh(args, config) -> tuple[dict[str, int], dict]:
-  """(axis sizes to plan for, the comparison's layouts or {} without --mesh)."""
+def _mesh(args, config) -> tuple[dict[str, int], dict, dict[str, int]]:
+  """(data axis sizes to plan for, the comparison's layouts or {} without --mesh, every mesh
+  axis's size: the tensor axes' too)."""
+  if args.mesh is None and config.tensor_axes:
+    raise ValueError(f"The target's config has tensor axes {config.tensor_axes}: give every "
+                     f"axis's size with --mesh and --axes (e.g. --mesh 4x2 --axes "
+                     f"fsdp,{config.tensor_axes[0]}).")
   if args.mesh is None:
     if args.axes or args.link:
       raise ValueError("--axes and --link go with --mesh (e.g. --mesh 128x8 --axes "
@@ -121,7 +138,8 @@ def _mesh(args, config) -> tuple[dict[str, int], dict]:
       raise ValueError(f"The target's config spans the axes {config.data_axes}; give their "
                        f"sizes with --mesh (e.g. --mesh 2x4 --axes "
                        f"{','.join(config.data_axes)}).")
-    return resolve_axis_sizes(config, num_devices=devices), {}
+    sizes = resolve_axis_sizes(config, num_devices=devices)
+    return sizes, {}, sizes
   if args.devices is not None:
     raise ValueError("Pass --devices or --mesh, not both.")
   try:
@@ -137,8 +155,18 @@ def _mesh(args, config) -> tuple[dict[str, int], dict]:
   if len(axes) != len(dims) or len(set(axes)) != len(axes) or not all(axes):
     raise ValueError(f"--axes must name each of the {len(dims)} mesh axes once (e.g. "
                      f"{','.join(default_axes)}), got {args.axes!r}.")
-  sizes = dict(zip(axes, dims))
-  return sizes, comm_model.layouts(config, axes)
+  missing = [a for a in config.tensor_axes if a not in axes]
+  if missing:
+    raise ValueError(f"--axes {','.join(axes)} lacks the tensor axis {missing[0]!r} of the "
+                     f"target's config (ZeroConfig.tensor_axes); name it, e.g. --axes "
+                     f"{','.join((*axes[:-1], missing[0]))}.")
+  mesh_sizes = dict(zip(axes, dims))
+  data_axes = tuple(a for a in axes if a not in config.tensor_axes)
+  if not data_axes:
+    raise ValueError(f"--axes {args.axes!r} names only tensor axes; add a data axis (e.g. "
+                     f"--mesh 8x{dims[-1]} --axes fsdp,{axes[-1]}).")
+  return ({a: mesh_sizes[a] for a in data_axes}, comm_model.layouts(config, data_axes),
+          mesh_sizes)
 
 
 def _links(specs, sizes) -> dict:

@@ -1,4 +1,5 @@
-"""Resolve `PATH_OR_MODULE:FUNCTION` into the (loss_fn, params, batch[, config]) it returns."""
+"""Resolve `PATH_OR_MODULE:FUNCTION` into the (loss_fn, params, batch[, config[,
+tensor_specs]]) it returns."""
 
 import dataclasses
 import importlib
@@ -20,6 +21,7 @@ class Target:
   params: Any
   batch: Any
   config: ZeroConfig | None
+  tensor_specs: Any = None  # as compile_schedule(tensor_specs=...), with config.tensor_axes
 
 
 def load_target(spec: str) -> Target:
@@ -60,17 +62,19 @@ def _import(where: str):
 
 
 def _check_result(spec: str, result) -> Target:
-  if not isinstance(result, tuple) or len(result) not in (3, 4):
-    raise TargetError(f"{spec} must return (loss_fn, params, batch) or (loss_fn, params, "
-                      f"batch, ZeroConfig); it returned {type(result).__name__}"
+  if not isinstance(result, tuple) or len(result) not in (3, 4, 5):
+    raise TargetError(f"{spec} must return (loss_fn, params, batch), (loss_fn, params, "
+                      f"batch, ZeroConfig) or (loss_fn, params, batch, ZeroConfig, "
+                      f"tensor_specs); it returned {type(result).__name__}"
                       + (f" of length {len(result)}" if isinstance(result, tuple) else "")
                       + ".")
   loss_fn, params, batch = result[:3]
-  config = result[3] if len(result) == 4 else None
+  config = result[3] if len(result) >= 4 else None
+  tensor_specs = result[4] if len(result) == 5 else None
   if not callable(loss_fn):
     raise TargetError(f"{spec}: the first item must be the loss function, got "
                       f"{type(loss_fn).__name__}.")
   if config is not None and not isinstance(config, ZeroConfig):
     raise TargetError(f"{spec}: the fourth item must be a zjax.ZeroConfig, got "
                       f"{type(config).__name__}.")
-  return Target(loss_fn, params, batch, config)
+  return Target(loss_fn, params, batch, config, tensor_specs)

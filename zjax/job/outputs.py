@@ -84,6 +84,7 @@ SUMMARY_LABELS = {
     "data_axis_collective_bytes": "... of them over the data axes (compiled; == the schedule)",
     "tensor_axis_collective_bytes": "collective bytes over the tensor axis (compiled; GSPMD's "
                                     "tensor parallelism)",
+    "tensor_axis_estimated_bytes": "... and the schedule's Megatron-style estimate of them",
     "all_gather_count": "all-gathers per step (compiled, as a GPU orders the step)",
     "cpu_executed_all_gather_count": "all-gathers per step the CPU executed (XLA's CPU compile)",
     "cpu_executed_step_temp_bytes": "step scratch memory the CPU executed (XLA's CPU compile)",

@@ -289,11 +289,10 @@ def _summary(settings, trainer, state, history, speed, seconds, batch) -> dict:
   if settings.tensor_parallel > 1:  # the tensor axis's collectives are GSPMD's, apart
     by_axis = hlo.executed_by_axis(analysis.as_text(), dict(trainer.mesh.shape))
     summary.update(
-        data_axis_collective_bytes=sum(
-            v for kind in ("all_gather", "reduce_scatter", "all_to_all")
-            for axes, v in by_axis.get(kind, {}).items() if "tensor" not in axes),
-        tensor_axis_collective_bytes=sum(v for per_axis in by_axis.values()
-                                         for axes, v in per_axis.items() if "tensor" in axes))
+        data_axis_collective_bytes=hlo.bytes_over(
+            by_axis, "tensor", over=False, kinds=("all_gather", "reduce_scatter", "all_to_all")),
+        tensor_axis_collective_bytes=hlo.bytes_over(by_axis, "tensor"),
+        tensor_axis_estimated_bytes=report["tensor_axis_estimated_bytes"])
   if analysis.barriers_kept:  # CPU: what it ran differs from what a GPU runs
     cpu = lowered.compile()
     cpu_executed = hlo.executed(cpu.as_text())
