@@ -504,3 +504,39 @@ def test_a_loss_with_its_own_shard_map_over_the_tensor_axis():
   ref_loss, ref_grads = reference(plain, params, BATCH)
   np.testing.assert_allclose(loss_value, ref_loss, rtol=1e-5, atol=1e-6)
   assert_trees_close(zjax.unshard(grads, schedule), ref_grads)
+
+
+@pytest.mark.parametrize("persistence,segments,phases", [
+    (0, 2, ("forward",)), (10**9, 1, ("forward", "backward"))],
+    ids=["own_segment", "one_segment"])
+def test_a_vocab_parallel_lookup_recomputed_in_backward_is_estimated_twice(
+    persistence, segments, phases):
+  """A lookup from a table split over its rows all-reduces its output in forward; where the
+  lookup shares a segment with what reads it (tanh here), the segment's vjp recomputes it
+  (zjax keeps matmul outputs only) and GSPMD all-reduces it again. In a segment of its own
+  its output is a saved segment output. The estimate follows both, byte for byte."""
+  mesh = auto_mesh((4, 2), ("fsdp", "tensor"))
+  config = zjax.ZeroConfig(shard_axes=("fsdp",), tensor_axes=("tensor",),
+                           param_persistence_threshold=persistence)
+
+  def loss(p, tokens):
+    return jnp.mean(jnp.tanh(p["table"][tokens]) @ p["w"])
+
+  rng = np.random.default_rng(0)
+  params = {"table": jnp.asarray(rng.normal(size=(16, D)), jnp.float32),
+            "w": jnp.asarray(rng.normal(size=(D, 4)), jnp.float32)}
+  tokens = jnp.asarray(rng.integers(0, 16, size=(16, 4)), jnp.int32)
+  schedule = zjax.compile_schedule(loss, params, tokens, mesh=mesh, config=config,
+                                   tensor_specs=[("table", P("tensor", None))])
+  step = zjax.value_and_grad(loss, schedule, mesh=mesh)
+  sharded = zjax.shard(params, schedule, mesh)
+  loss_value, grads = step(sharded, tokens)
+  ref_loss, ref_grads = reference(loss, params, tokens)
+  np.testing.assert_allclose(loss_value, ref_loss, rtol=1e-5, atol=1e-6)
+  assert_trees_close(zjax.unshard(grads, schedule), ref_grads)
+  lookup = 16 // 4 * 4 * D * 4  # the per-device batch's rows of the table, fp32
+  assert len(schedule.segments) == segments
+  assert schedule.tensor_estimate == tuple(("all_reduce", p, lookup) for p in phases)
+  text = zjax.hlo.compile_for_analysis(step.lower(sharded, tokens)).as_text()
+  measured = zjax.hlo.executed_by_axis(text, dict(mesh.shape))
+  assert zjax.hlo.bytes_over(measured, "tensor") == len(phases) * lookup

@@ -206,7 +206,9 @@ def _plan_with(trace, config, axis_sizes, frozen, platform, rolling, tensor) -> 
   loop_ranges = {op: op + 1 for op in stacked.values()}  # a scan: one op
   loop_ranges.update((run.start, run.end) for run in rolling.runs)
   segments = _make_segments(trace, bucket_of, loop_ranges)
-  segments = _with_backward_buckets(segments, trace, bucket_of, trained, loop_ranges)
+  split = frozenset(i for i, e in enumerate(entries) if e.tensor_dim is not None)
+  segments, recomputed_lookups = _with_backward_buckets(segments, trace, bucket_of, trained,
+                                                        loop_ranges, split)
   elements = [sum(ir.gathered_elements(entries[i], num_devices) for i in members)
               for *_, members in groups]
   lengths = {b: len(buckets[b].layers) or entries[members[0]].shape[0]
@@ -226,7 +228,8 @@ def _plan_with(trace, config, axis_sizes, frozen, platform, rolling, tensor) -> 
                   program_hash=program_hash(o.primitive for o in trace.ops), params=entries,
                   buckets=buckets, segments=segments, forward=forward, backward=backward,
                   rolling=rolling.notes, tensor_sizes=tensor.sizes,
-                  tensor_estimate=tuple(tensor_comm.megatron_estimate(trace, entries)))
+                  tensor_estimate=tuple(tensor_comm.megatron_estimate(
+                      trace, entries, segments, recomputed_lookups)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -488,23 +491,28 @@ def _make_segments(trace, bucket_of, loop_ranges=None) -> tuple[ir.Segment, ...]
   return tuple(segments)
 
 
-def _with_backward_buckets(segments, trace, bucket_of, trained, loop_ranges=None
-                           ) -> tuple[ir.Segment, ...]:
+def _with_backward_buckets(segments, trace, bucket_of, trained, loop_ranges=None,
+                           split=frozenset()):
   """Fill each segment's backward_buckets: the buckets its vjp reads (see segments.py). A
-  loop's backward recomputes each iteration, so it reads all its buckets."""
+  loop's backward recomputes each iteration, so it reads all its buckets. Also returns, per
+  segment, the parameters in `bucket_of` or `split` (tensor-split, persistent or not) that
+  a lookup (gather) the vjp recomputes reads: tensor_comm counts those lookups' collectives."""
   program = trace.program
   a = seg_lib.analyze(program, segments, trained)
-  out = []
+  out, reads = [], []
   for k, (seg, io) in enumerate(zip(segments, a.ios)):
     if (loop_ranges or {}).get(seg.start) == seg.end:
       out.append(dataclasses.replace(seg, backward_buckets=seg.buckets))
+      reads.append(frozenset(a.chains[v][0] for v in io.param_inputs))
       continue
-    sharded = [j for j, v in enumerate(io.param_inputs) if a.chains[v][0] in bucket_of]
-    needed = (seg_lib.backward_param_needs(io, program.avals, a.diff_params[k],
-                                           a.diff_acts[k]) if sharded else set())
-    backward = {bucket_of[a.chains[io.param_inputs[j]][0]] for j in needed if j in sharded}
+    params = [a.chains[v][0] for v in io.param_inputs]
+    asked = [j for j, i in enumerate(params) if i in bucket_of or i in split]
+    needed, looked_up = (seg_lib.backward_param_reads(io, program.avals, a.diff_params[k],
+                                                      a.diff_acts[k]) if asked else ((), ()))
+    backward = {bucket_of[params[j]] for j in needed if params[j] in bucket_of}
     out.append(dataclasses.replace(seg, backward_buckets=tuple(sorted(backward))))
-  return tuple(out)
+    reads.append(frozenset(params[j] for j in looked_up if j in asked))
+  return tuple(out), tuple(reads)
 
 
 def _first_member(bucket: int, bucket_of: dict[int, int]) -> int:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zjax._src.program import FlatProgram
-from zjax._src.trace import LAYOUT_PRIMITIVES, param_views
+from zjax._src.trace import LAYOUT_PRIMITIVES, param_views, sub_jaxprs
 
 
 @dataclasses.dataclass
@@ -171,8 +171,15 @@ def backward_param_needs(io: SegmentIO, avals, diff_params, diff_acts) -> set[in
   differentiated); a parameter view is needed when a slot holding it feeds a cotangent,
   per dead-code analysis of the backward's jaxpr.
   """
+  return backward_param_reads(io, avals, diff_params, diff_acts)[0]
+
+
+def backward_param_reads(io: SegmentIO, avals, diff_params, diff_acts
+                         ) -> tuple[set[int], set[int]]:
+  """(`backward_param_needs`, the positions among them that a gather of the backward reads:
+  lookups the vjp recomputes, as the residual policy keeps matmul outputs only)."""
   if not io.param_inputs:
-    return set()
+    return set(), set()
   p_avals = [_spec(avals[v]) for v in io.param_inputs]
   a_avals = [_spec(avals[a]) for a in io.act_inputs]
   box = {}
@@ -196,17 +203,31 @@ def backward_param_needs(io: SegmentIO, avals, diff_params, diff_acts) -> set[in
 
   slot_order = sorted(slot_avals)
   closed = jax.make_jaxpr(backward)(kept_avals, [slot_avals[k] for k in slot_order], cts)
-  used = _used_invars(closed.jaxpr)
+  # JAX's own dead-code elimination, which looks inside remat, jit, scan, cond and while
+  # (as XLA will)
+  jaxpr, used = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
   first_slot = len(kept_avals)
-  return {slots[k] for n, k in enumerate(slot_order)
-          if closed.jaxpr.invars[first_slot + n] in used}
+  invars = closed.jaxpr.invars  # the pruned jaxpr keeps the used ones (the same vars)
+  slot_vars = {invars[first_slot + n]: slots[k] for n, k in enumerate(slot_order)}
+  needed = {slots[k] for n, k in enumerate(slot_order) if used[first_slot + n]}
+  return needed, _gathered(jaxpr, slot_vars)
 
 
-def _used_invars(jaxpr) -> set:
-  """Input variables the outputs depend on, by JAX's own dead-code elimination, which looks
-  inside remat, jit, scan, cond and while (as XLA will)."""
-  _, used_inputs = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
-  return {v for v, used in zip(jaxpr.invars, used_inputs) if used}
+def _gathered(jaxpr, derived: dict) -> set:
+  """Values of `derived` (var -> label) that a gather in `jaxpr` reads, directly or through
+  layout ops, inside higher-order ops too."""
+  found, derived = set(), dict(derived)
+  for eqn in jaxpr.eqns:
+    first = eqn.invars[0] if eqn.invars else None
+    label = derived.get(first) if isinstance(first, jex.Var) else None
+    if label is not None and eqn.primitive.name == "gather":
+      found.add(label)
+    elif label is not None and eqn.primitive.name in LAYOUT_PRIMITIVES:
+      derived.update((o, label) for o in eqn.outvars)
+    for _, sub, atoms in sub_jaxprs(eqn):
+      found |= _gathered(sub, {iv: derived[a] for a, iv in zip(atoms, sub.invars)
+                               if isinstance(a, jex.Var) and a in derived})
+  return found
 
 
 def _spec(x):

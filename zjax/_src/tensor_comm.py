@@ -10,7 +10,8 @@ traced program that reads a tensor-parallel parameter:
   partial sum, all-reduced in backward, once per distinct input (q, k and v of one input
   share it), if the input depends on the parameters (a batch has no gradient);
 - an embedding lookup (gather) from a table split over its rows: the output is all-reduced
-  in forward.
+  in forward, and again in backward where the segment's vjp recomputes the lookup (zjax's
+  residual policy keeps matmul outputs only, segments.py; the vjp then reads the table).
 Bytes are the all-reduce's operand on one device (the per-device batch of the data axes,
 whole over the tensor axis). With sequence parallelism Megatron swaps each all-reduce for
 an all-gather plus a reduce-scatter of the same bytes. Not counted: the scalar per-row
@@ -23,25 +24,30 @@ from zjax._src import ir
 from zjax._src.trace import LAYOUT_PRIMITIVES
 
 
-def megatron_estimate(trace, entries) -> list[tuple[str, str, int]]:
+def megatron_estimate(trace, entries, segments=(), recomputed_lookups=()
+                      ) -> list[tuple[str, str, int]]:
   """[(kind, phase, bytes)] of the tensor axis's collectives in one step (per micro-batch),
   from the traced program and the schedule's parameter entries (their tensor dims); empty
-  without tensor-parallel parameters."""
+  without tensor-parallel parameters. `segments` and `recomputed_lookups` (per segment, the
+  parameters its vjp's gathers read; plan._with_backward_buckets) find recomputed lookups."""
   program = trace.program
   split = {program.input_ids[i]: e.tensor_dim for i, e in enumerate(entries)
            if e.tensor_dim is not None}
   if not split:
     return []
+  origin = {program.input_ids[i]: i for i in range(len(entries))}  # view -> parameter
+  recomputed = _recomputed_lookups(program, origin, segments, recomputed_lookups)
   views = set(program.input_ids[:len(entries)])
   # values that depend on trained parameters (a frozen one's have no gradient)
   differentiable = {program.input_ids[i] for i, e in enumerate(entries) if ir.has_gradient(e)}
   out, reduced_inputs = [], set()
-  for op in program.ops:
+  for n, op in enumerate(program.ops):
     values = [v if isinstance(v, int) else None for v in op.inputs]
     if differentiable.intersection(values):
       differentiable.update(op.outputs)
     if op.primitive in LAYOUT_PRIMITIVES and values and values[0] in views:
       views.update(op.outputs)
+      origin.update((o, origin[values[0]]) for o in op.outputs)
       if values[0] in split:
         dim = _view_dim(op, split[values[0]], program.avals[values[0]].shape)
         if dim is not None:
@@ -49,6 +55,8 @@ def megatron_estimate(trace, entries) -> list[tuple[str, str, int]]:
       continue
     if op.primitive == "gather" and values[0] in split and split[values[0]] == 0:
       out.append(("all_reduce", "forward", _bytes(program, op.outputs[0])))
+      if (n, origin[values[0]]) in recomputed:
+        out.append(("all_reduce", "backward", _bytes(program, op.outputs[0])))
     if op.primitive != "dot_general":
       continue
     for pos in (0, 1):
@@ -61,6 +69,21 @@ def megatron_estimate(trace, entries) -> list[tuple[str, str, int]]:
       if other in differentiable and other not in views and other not in reduced_inputs:
         reduced_inputs.add(other)  # column-parallel: the input's gradient, in backward
         out.append(("all_reduce", "backward", _bytes(program, other)))
+  return out
+
+
+def _recomputed_lookups(program, origin, segments, recomputed) -> set[tuple[int, int]]:
+  """(op, parameter) of the lookups that the vjp of their segment recomputes (`recomputed`:
+  per segment, the parameters its vjp's gathers read)."""
+  origin, out = dict(origin), set()
+  segment_of = {n: k for k, seg in enumerate(segments) for n in range(seg.start, seg.end)}
+  for n, op in enumerate(program.ops):
+    values = [v if isinstance(v, int) else None for v in op.inputs]
+    if op.primitive in LAYOUT_PRIMITIVES and values and values[0] in origin:
+      origin.update((o, origin[values[0]]) for o in op.outputs)
+    elif (op.primitive == "gather" and values[0] in origin and n in segment_of
+          and origin[values[0]] in recomputed[segment_of[n]]):
+      out.add((n, origin[values[0]]))
   return out
 
 

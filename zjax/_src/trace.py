@@ -263,7 +263,7 @@ def _uses_inside(eqn, derived) -> list[tuple[int, str, str]]:
   if not origins:
     return []
   found = []
-  subs = _sub_jaxprs(eqn)
+  subs = sub_jaxprs(eqn)
   for label, sub, outer_atoms in subs:
     inner = {iv: derived[v] for v, iv in zip(outer_atoms, sub.invars)
              if isinstance(v, jex.Var) and v in derived}
@@ -299,7 +299,7 @@ def _uses_in_body(jaxpr, derived) -> list[tuple[int, str, str]]:
   return found
 
 
-def _sub_jaxprs(eqn) -> list[tuple[str, jex.Jaxpr, list]]:
+def sub_jaxprs(eqn) -> list[tuple[str, jex.Jaxpr, list]]:
   """(label, body jaxpr, outer atoms aligned with the body's invars) for a higher-order op."""
   name, params = eqn.primitive.name, eqn.params
   if name == "cond":
