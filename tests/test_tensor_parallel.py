@@ -225,14 +225,16 @@ def test_trains_like_optax_and_checkpoints_across_tensor_sizes(tmp_path):
   ckpt.close()
   exported = zjax.export_params(tmp_path / "tp")
   jax.tree.map(np.testing.assert_array_equal, exported, trained)
-  targets = [("fsdp2_tensor4", {}), ("replica2_fsdp2_tensor2", {}), (None, {})]
-  for name, _ in targets:
+  targets = [("fsdp2_tensor4", {}), ("replica2_fsdp2_tensor2", {}),
+             ("replica2_fsdp2_tensor2", {"secondary_partition": True}), (None, {})]
+  for name, layout_kw in targets:
     if name is None:  # (8,) without tensor parallelism
       other_mesh = jax.make_mesh((8,), ("fsdp",))
       other = zjax.compile_schedule(mlp_loss, params, BATCH, mesh=other_mesh,
                                     config=zjax.ZeroConfig(param_persistence_threshold=8))
     else:
-      other_mesh, _, other = setup(name, {"param_persistence_threshold": 8}, f=F_FOR_T4)
+      other_mesh, _, other = setup(name, {"param_persistence_threshold": 8, **layout_kw},
+                                   f=F_FOR_T4)
     other_trainer = zjax.zero3(mlp_loss, optimizer, other, mesh=other_mesh)
     manager = zjax.CheckpointManager(tmp_path / "tp", other_trainer)
     restored = manager.restore(other_trainer)
@@ -273,9 +275,6 @@ def test_bad_input_is_refused_with_the_parameter_named():
   with pytest.raises(ZjaxError, match="tensor_axes is empty"):
     plan([("v", P("tensor"))], config=zjax.ZeroConfig(),
          mesh=jax.make_mesh((8,), ("fsdp",)))
-  with pytest.raises(ValueError, match="secondary_partition"):
-    zjax.ZeroConfig(replicate_axes=("replica",), secondary_partition=True,
-                    tensor_axes=("tensor",))
   with pytest.raises(ValueError, match="a data axis"):
     zjax.ZeroConfig(tensor_axes=("fsdp",))
 
@@ -363,13 +362,19 @@ def annotated_gpt():
       {"tokens": tokens}, LOGICAL_AXIS_RULES
 
 
-@pytest.mark.parametrize("name", ["fsdp4_tensor2", "replica2_fsdp2_tensor2"])
-def test_annotated_gpt_with_a_vocab_parallel_tied_embedding(name):
+HPZ = {"secondary_partition": True, "max_reuse_distance": 0}  # backward re-gathers: hpZ's
+
+
+@pytest.mark.parametrize("name,layout", [("fsdp4_tensor2", {}),
+                                         ("replica2_fsdp2_tensor2", {}),
+                                         ("replica2_fsdp2_tensor2", HPZ)],
+                         ids=["fsdp4_tensor2", "replica2_fsdp2_tensor2", "hpz"])
+def test_annotated_gpt_with_a_vocab_parallel_tied_embedding(name, layout):
   loss_fn, boxed, batch, rules = annotated_gpt()
   shape, names, replicate = MESHES[name]
   mesh = auto_mesh(shape, names)
   config = zjax.ZeroConfig(shard_axes=("fsdp",), replicate_axes=replicate,
-                           tensor_axes=("tensor",), param_persistence_threshold=0)
+                           tensor_axes=("tensor",), param_persistence_threshold=0, **layout)
   schedule = zjax.compile_schedule(loss_fn, boxed, batch, mesh=mesh, config=config,
                                    logical_axis_rules=rules)
   dims = {p.path: p.tensor_dim for p in schedule.params}
@@ -386,6 +391,39 @@ def test_annotated_gpt_with_a_vocab_parallel_tied_embedding(name):
   assert_trees_close(zjax.unshard(grads, schedule), ref_grads)
   assert zjax.per_device_bytes(sharded) == schedule.report()["state_bytes_per_device"]
   assert_report_equals_hlo(step, (sharded, batch), mesh, schedule)
+  if layout:  # hpZ: the backward re-gathers each TP slice from its secondary, over fsdp
+    assert schedule.report()["all_gather_bytes_by_axis"]["fsdp"] > 0
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_hpz_keeps_each_tensor_ranks_secondary_slices(quantization):
+  """hpZ under tensor parallelism: the forward gather (over replica+fsdp) leaves each device
+  the secondary rows of its own TP slices; the backward re-gathers them over fsdp alone.
+  Parity, report == HLO per data axis, and no storage crosses the tensor axis."""
+  mesh, params, schedule = setup("replica2_fsdp2_tensor2", {
+      "param_persistence_threshold": 8, "gather_quantization": quantization, **HPZ})
+  ops = [st.op for st in schedule.forward + schedule.backward]
+  assert ops.count("keep_secondary") == ops.count("drop_secondary") == 1  # layer 0
+  step = zjax.value_and_grad(mlp_loss, schedule, mesh=mesh)
+  sharded = zjax.shard(params, schedule, mesh)
+  loss, grads = step(sharded, BATCH)
+  if quantization is None:
+    ref_loss, ref_grads = reference(mlp_loss, params, BATCH)
+  else:  # int8 wires: re-gathered from the secondary == kept gathered from forward to
+    # backward (the same quantized wire), and the loss near the unquantized one
+    np.testing.assert_allclose(loss, reference(mlp_loss, params, BATCH)[0], rtol=1e-2)
+    _, _, kept = setup("replica2_fsdp2_tensor2", {"param_persistence_threshold": 8,
+                                                  "gather_quantization": quantization,
+                                                  "secondary_partition": True})
+    assert "keep_secondary" not in [st.op for st in kept.forward]
+    ref_loss, ref_grads = zjax.value_and_grad(mlp_loss, kept, mesh=mesh)(
+        zjax.shard(params, kept, mesh), BATCH)
+    ref_grads = zjax.unshard(ref_grads, kept)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
+  assert_trees_close(zjax.unshard(grads, schedule), ref_grads)
+  report = schedule.report()
+  assert set(report["all_gather_bytes_by_axis"]) == {"replica+fsdp", "fsdp"}
+  assert_report_equals_hlo(step, (sharded, BATCH), mesh, schedule)
 
 
 @pytest.mark.parametrize("name", ["fsdp4_tensor2", "replica2_fsdp2_tensor2"])
@@ -409,10 +447,12 @@ def test_nnx_gqa_decoder_of_the_real_models(name):
                            megatron_layout=False)
 
 
-def test_accumulation_and_clipping_train_like_optax():
+@pytest.mark.parametrize("layout", [{}, HPZ], ids=["hsdp", "hpz"])
+def test_accumulation_and_clipping_train_like_optax(layout):
   """2 micro-batches per step (each reduce-scattered, as ZeRO-3 does), global-norm
-  clipping with each element of a split leaf counted once."""
-  mesh, params, schedule = setup("replica2_fsdp2_tensor2", {"param_persistence_threshold": 8})
+  clipping with each element of a split leaf counted once; HSDP and hpZ."""
+  mesh, params, schedule = setup("replica2_fsdp2_tensor2",
+                                 {"param_persistence_threshold": 8, **layout})
   optimizer = optax.chain(optax.clip_by_global_norm(0.3), optax.adamw(1e-2))
   trainer = zjax.zero3(mlp_loss, optimizer, schedule, mesh=mesh, accumulation_steps=2)
   state, ref = steps_like_optax(trainer, trainer.init(params), mlp_loss, optimizer, params,

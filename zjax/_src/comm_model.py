@@ -103,8 +103,7 @@ def predict(schedule, links: dict[str, Link] | None = None) -> dict:
 def layouts(config: ZeroConfig, axes) -> dict[str, ZeroConfig]:
   """The three layouts of a mesh whose last axis is the node: flat ZeRO-3 over every axis,
   HSDP (shard over the last axis, replicate over the others) and hpZ (HSDP's replica
-  groups, storage over every axis, backward re-gathers inside the node; not with tensor
-  axes, which this version does not combine with hpZ)."""
+  groups, storage over every axis, backward re-gathers inside the node)."""
   axes = tuple(axes)
   base = dataclasses.replace(config, shard_axes=axes, replicate_axes=(),
                              secondary_partition=False)
@@ -112,8 +111,7 @@ def layouts(config: ZeroConfig, axes) -> dict[str, ZeroConfig]:
   if len(axes) > 1:
     hsdp = dataclasses.replace(base, shard_axes=axes[-1:], replicate_axes=axes[:-1])
     out["HSDP"] = hsdp
-    if not config.tensor_axes:
-      out["hpZ"] = dataclasses.replace(hsdp, secondary_partition=True)
+    out["hpZ"] = dataclasses.replace(hsdp, secondary_partition=True)
   return out
 
 

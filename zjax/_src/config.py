@@ -159,10 +159,6 @@ class ZeroConfig:
                        "secondary shard spans the shard axes inside each replica group (e.g. "
                        "a node); without a replicate axis set replicate_axes=('replica',) "
                        "on a 2-D mesh, or leave secondary_partition False.")
-    if self.secondary_partition and self.tensor_axes:
-      raise ValueError("ZeroConfig.secondary_partition (hpZ) with tensor_axes is not "
-                       "supported in this version; use HSDP (replicate_axes) or flat ZeRO-3 "
-                       "with tensor parallelism.")
     if self.gradient_reduction not in GRADIENT_REDUCTIONS:
       raise ValueError(f"ZeroConfig.gradient_reduction must be one of "
                        f"{list(GRADIENT_REDUCTIONS)}, got {self.gradient_reduction!r}.")

@@ -19,6 +19,7 @@ barriers through scheduling; XLA's CPU pipeline removes them from the programs t
 runs, and analysis keeps them in a compile of its own (xla_options.py).
 """
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -292,9 +293,13 @@ class _State:
       secondary = self.secondary[b]
       if self.anchor is not None:
         secondary, _ = lax.optimization_barrier((secondary, self.anchor))
-      wire = collectives.gather_from_secondary(secondary, self.dp.shard_axes)
       chunks = [jax.ShapeDtypeStruct(x.shape, self.dp.compute_dtype(i))  # (for unpacking)
                 for i, x in zip(members, chunks)]
+      if self.dp.tensor_axis:
+        self.gathered.update(zip(members, self._regather_slices(b, secondary, chunks,
+                                                                entries)))
+        return
+      wire = collectives.gather_from_secondary(secondary, self.dp.shard_axes)
     else:
       if self.anchor is not None:
         chunks, _ = lax.optimization_barrier((chunks, self.anchor))
@@ -318,16 +323,43 @@ class _State:
     natural-shaped, split over the tensor axis on their tensor dimension."""
     slices = [tensor_parallel.slice_entry(e) for e in entries]
     quantization = self.dp.gather_quantization(b, phase)
+    keep_wire = self.dp.secondary_partition  # hpZ: each tensor rank's wire, for its secondary
 
     def gather(local):
       wire, _ = collectives.gather_wire(local, self.dp.gather_axes(phase), quantization)
+      values = collectives.unpack_wire(wire, local, slices, self.dp.n, quantization)
+      return values + [wire] if keep_wire else values
+    out = tensor_parallel.nested(gather, entries, self.dp.tensor_axis, "storage", "natural",
+                                 ranked_out=int(keep_wire))(chunks)
+    if keep_wire:
+      self.wires[b] = out.pop()
+    return out
+
+  def _regather_slices(self, b, secondary, chunks, entries):
+    """hpZ's backward gather under tensor parallelism: each tensor rank's secondary (its
+    own TP slices) gathered over the shard axes; the parameters come out as from
+    _gather_slices."""
+    slices = [tensor_parallel.slice_entry(e) for e in entries]
+    quantization = self.dp.gather_quantization(b, "backward")
+    local = [jax.ShapeDtypeStruct(tuple(c.shape[1:]) if e.tensor_dim is not None else c.shape,
+                                  c.dtype) for c, e in zip(chunks, entries)]
+
+    def regather(values):
+      wire = collectives.gather_from_secondary(values[0], self.dp.shard_axes)
       return collectives.unpack_wire(wire, local, slices, self.dp.n, quantization)
-    return tensor_parallel.nested(gather, entries, self.dp.tensor_axis, "storage",
-                                  "natural")(chunks)
+    return tensor_parallel.nested(regather, entries, self.dp.tensor_axis, "none", "natural",
+                                  ranked_in=1)([secondary])
 
   def keep_secondary(self, b):
-    secondary = collectives.secondary_rows(self.wires[b], self.dp.s.replicas,
-                                           self.dp.shard_axes)
+    rows = functools.partial(collectives.secondary_rows, replicas=self.dp.s.replicas,
+                             shard_axes=self.dp.shard_axes)
+    if self.dp.tensor_axis:  # each tensor rank's rows of its own wire
+      entries = [self.dp.s.params[i] for i in self.dp.members[b]]
+      secondary, = tensor_parallel.nested(lambda w: [rows(w[0])], entries,
+                                          self.dp.tensor_axis, "none", "none", ranked_in=1,
+                                          ranked_out=1)([self.wires[b]])
+    else:
+      secondary = rows(self.wires[b])
     # sliced before the bucket's parameters are used: else XLA may slice just before the
     # backward re-gather and keep the whole gathered wire alive through the forward pass
     members = [i for i in self.dp.members[b] if i in self.gathered]

@@ -87,27 +87,35 @@ def tp_spec(entry, tensor_axis) -> P:
   return P(*[tensor_axis if d == entry.tensor_dim else None for d in range(len(entry.shape))])
 
 
-def nested(fn, entries, tensor_axis, inputs: str, outputs: str):
+def nested(fn, entries, tensor_axis, inputs: str, outputs: str, ranked_in: int = 0,
+           ranked_out: int = 0):
   """Run `fn` (on per-device TP-local values) manual over the tensor axis too.
 
   `inputs`/`outputs` say how each side is laid out: "storage" (one storage chunk per entry:
-  a tensor-parallel entry's [T, c] value arrives as its own row [c]) or "natural" (one
-  natural value per entry: a tensor-parallel one arrives as its TP slice). Values of
-  entries without a tensor dim are the same on every tensor rank.
+  a tensor-parallel entry's [T, c] value arrives as its own row [c]), "natural" (one
+  natural value per entry: a tensor-parallel one arrives as its TP slice) or "none" (no
+  value per entry). Values of entries without a tensor dim are the same on every tensor
+  rank. After those come `ranked_in` inputs / `ranked_out` outputs that differ per tensor
+  rank whatever their members (a bucket's gathered wire buffer, its hpZ secondary): outside
+  they have a leading axis of one row per rank, inside the rank's row.
   """
   specs = {"storage": lambda e: P(tensor_axis) if e.tensor_dim is not None else P(),
            "natural": lambda e: tp_spec(e, tensor_axis)}
+  in_entries = [] if inputs == "none" else list(entries)
+  out_entries = [] if outputs == "none" else list(entries)
 
   def local(values):
-    values = [v[0] if inputs == "storage" and e.tensor_dim is not None else v
-              for v, e in zip(values, entries)]
-    out = fn(values)
-    return [v[None] if outputs == "storage" and e.tensor_dim is not None else v
-            for v, e in zip(out, entries)]
+    per_entry = [v[0] if inputs == "storage" and e.tensor_dim is not None else v
+                 for v, e in zip(values, in_entries)]
+    out = fn(per_entry + [v[0] for v in values[len(in_entries):]])
+    return ([v[None] if outputs == "storage" and e.tensor_dim is not None else v
+             for v, e in zip(out, out_entries)] + [v[None] for v in out[len(out_entries):]])
 
   return jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(),
-                       in_specs=([specs[inputs](e) for e in entries],),
-                       out_specs=[specs[outputs](e) for e in entries],
+                       in_specs=([specs[inputs](e) for e in in_entries]
+                                 + [P(tensor_axis)] * ranked_in,),
+                       out_specs=([specs[outputs](e) for e in out_entries]
+                                  + [P(tensor_axis)] * ranked_out),
                        axis_names={tensor_axis}, check_vma=False)
 
 

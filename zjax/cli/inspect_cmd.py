@@ -81,10 +81,6 @@ def run(args: argparse.Namespace) -> int:
   platform = args.platform or jax.default_backend()
   sizes, layouts, mesh_sizes = _mesh(args, config)
   if layouts:
-    if len(layouts) > 1 and _LAYOUTS[args.layout] not in layouts:
-      raise ValueError(f"--layout {args.layout}: not with the target's tensor axes (this "
-                       f"version does not combine hpZ with tensor parallelism); use --layout "
-                       f"hsdp or flat.")
     config = layouts[_LAYOUTS[args.layout]] if len(layouts) > 1 else layouts["flat ZeRO-3"]
   start = time.perf_counter()
   tensor = tensor_parallel.resolve(target.params, config, None, mesh_sizes,
