@@ -69,6 +69,19 @@ def setup(name, config_kw=None, f=None, tensor_specs=RULES):
   return mesh, params, schedule
 
 
+def step_matches_reference(loss_fn, schedule, mesh, params, batch, reference_fn=None):
+  """zjax's value_and_grad on `mesh` against plain single-device jax.value_and_grad of
+  `reference_fn` (default: the same loss) on the natural params and the full batch (fp32
+  rtol 1e-5, atol 1e-6); returns (step, the sharded params) for the HLO checks."""
+  step = zjax.value_and_grad(loss_fn, schedule, mesh=mesh)
+  sharded = zjax.shard(params, schedule, mesh)  # boxes accepted, unboxed
+  loss, grads = step(sharded, batch)
+  ref_loss, ref_grads = reference(reference_fn or loss_fn, nn.unbox(params), batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
+  assert_trees_close(zjax.unshard(grads, schedule), ref_grads)
+  return step, sharded
+
+
 def data_axis_bytes(text, mesh):
   """Executed bytes per kind and data axis, the tensor axis's apart, the loss's scalar
   all-reduce taken out."""
@@ -103,12 +116,7 @@ def storage_over_tensor(text, mesh, schedule):
 @pytest.mark.parametrize("name", list(MESHES))
 def test_mlp_parity_and_report_equals_hlo(name):
   mesh, params, schedule = setup(name, {"param_persistence_threshold": 8})
-  step = zjax.value_and_grad(mlp_loss, schedule, mesh=mesh)
-  sharded = zjax.shard(params, schedule, mesh)
-  loss, grads = step(sharded, BATCH)
-  ref_loss, ref_grads = reference(mlp_loss, params, BATCH)
-  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
-  assert_trees_close(zjax.unshard(grads, schedule), ref_grads)
+  step, sharded = step_matches_reference(mlp_loss, schedule, mesh, params, BATCH)
 
   report = schedule.report()
   t = mesh.shape["tensor"]
@@ -195,12 +203,7 @@ def test_annotated_linen_model(sequence_parallel):
   dims = {p.path: p.tensor_dim for p in schedule.params}
   assert dims["['block_0']['q']['kernel']"] == 1 and dims["['block_0']['wo']['kernel']"] == 0
   assert dims["['block_1']['RMSNorm_0']['scale']"] is None  # embed -> fsdp: ignored
-  step = zjax.value_and_grad(loss_fn, schedule, mesh=mesh)
-  sharded = zjax.shard(boxed, schedule, mesh)  # boxes accepted, unboxed
-  loss, grads = step(sharded, x)
-  ref_loss, ref_grads = reference(loss_fn, nn.unbox(boxed), x)
-  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
-  assert_trees_close(zjax.unshard(grads, schedule), ref_grads)
+  step, sharded = step_matches_reference(loss_fn, schedule, mesh, boxed, x)
   text = zjax.hlo.compile_for_analysis(step.lower(sharded, x)).as_text()
   executed = data_axis_bytes(text, mesh)
   report = schedule.report()
@@ -316,11 +319,7 @@ def test_nnx_model_with_partitioning_metadata():
   config = zjax.ZeroConfig(tensor_axes=("tensor",), param_persistence_threshold=0)
   schedule = zjax.compile_schedule(loss_fn, params, BATCH, mesh=mesh, config=config)
   assert [p.tensor_dim for p in schedule.params] == [None, 0, None, 1]  # down, then up
-  step = zjax.value_and_grad(loss_fn, schedule, mesh=mesh)
-  loss, grads = step(zjax.shard(params, schedule, mesh), BATCH)
-  ref_loss, ref_grads = reference(loss_fn, params, BATCH)
-  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
-  assert_trees_close(zjax.unshard(grads, schedule), ref_grads)
+  step_matches_reference(loss_fn, schedule, mesh, params, BATCH)
 
 
 def assert_report_equals_hlo(step, args, mesh, schedule, megatron_layout=True):
@@ -383,12 +382,7 @@ def test_annotated_gpt_with_a_vocab_parallel_tied_embedding(name, layout):
   assert dims["['params']['block_1']['mlp']['proj']['kernel']"] == 0
   assert dims["['params']['pos_embed']"] is None
   assert any("tensor-parallel" in note for note in schedule.rolling)  # unrolled, said so
-  step = zjax.value_and_grad(loss_fn, schedule, mesh=mesh)
-  sharded = zjax.shard(boxed, schedule, mesh)
-  loss, grads = step(sharded, batch)
-  ref_loss, ref_grads = reference(loss_fn, nn.unbox(boxed), batch)
-  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
-  assert_trees_close(zjax.unshard(grads, schedule), ref_grads)
+  step, sharded = step_matches_reference(loss_fn, schedule, mesh, boxed, batch)
   assert zjax.per_device_bytes(sharded) == schedule.report()["state_bytes_per_device"]
   assert_report_equals_hlo(step, (sharded, batch), mesh, schedule)
   if layout:  # hpZ: the backward re-gathers each TP slice from its secondary, over fsdp
@@ -437,12 +431,8 @@ def test_nnx_gqa_decoder_of_the_real_models(name):
   schedule = zjax.compile_schedule(case.loss_fn, case.params, case.batch, mesh=mesh,
                                    config=config)
   assert schedule.report()["tensor_parallel_params"] == 3 * 6  # q kv o gate up down
-  step = zjax.value_and_grad(case.loss_fn, schedule, mesh=mesh)
-  sharded = zjax.shard(case.params, schedule, mesh)
-  loss, grads = step(sharded, case.batch)
-  ref_loss, ref_grads = reference(case.reference_loss_fn, case.params, case.batch)
-  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
-  assert_trees_close(zjax.unshard(grads, schedule), ref_grads)
+  step, sharded = step_matches_reference(case.loss_fn, schedule, mesh, case.params,
+                                         case.batch, case.reference_loss_fn)
   assert_report_equals_hlo(step, (sharded, case.batch), mesh, schedule,
                            megatron_layout=False)
 
@@ -568,12 +558,7 @@ def test_a_vocab_parallel_lookup_recomputed_in_backward_is_estimated_twice(
   tokens = jnp.asarray(rng.integers(0, 16, size=(16, 4)), jnp.int32)
   schedule = zjax.compile_schedule(loss, params, tokens, mesh=mesh, config=config,
                                    tensor_specs=[("table", P("tensor", None))])
-  step = zjax.value_and_grad(loss, schedule, mesh=mesh)
-  sharded = zjax.shard(params, schedule, mesh)
-  loss_value, grads = step(sharded, tokens)
-  ref_loss, ref_grads = reference(loss, params, tokens)
-  np.testing.assert_allclose(loss_value, ref_loss, rtol=1e-5, atol=1e-6)
-  assert_trees_close(zjax.unshard(grads, schedule), ref_grads)
+  step, sharded = step_matches_reference(loss, schedule, mesh, params, tokens)
   lookup = 16 // 4 * 4 * D * 4  # the per-device batch's rows of the table, fp32
   assert len(schedule.segments) == segments
   assert schedule.tensor_estimate == tuple(("all_reduce", p, lookup) for p in phases)
