@@ -164,20 +164,16 @@ def restore_params(stripped, params):
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def backward_param_needs(io: SegmentIO, avals, diff_params, diff_acts) -> set[int]:
-  """Positions in `io.param_inputs` whose values the segment's backward reads.
+def backward_param_reads(io: SegmentIO, avals, diff_params, diff_acts
+                         ) -> tuple[set[int], set[int]]:
+  """(positions in `io.param_inputs` whose values the segment's backward reads, those of
+  them that a gather of the backward reads: lookups the vjp recomputes, as the residual
+  policy keeps matmul outputs only).
 
   The backward is the vjp with saved residuals, as the executor runs it (same inputs
   differentiated); a parameter view is needed when a slot holding it feeds a cotangent,
   per dead-code analysis of the backward's jaxpr.
   """
-  return backward_param_reads(io, avals, diff_params, diff_acts)[0]
-
-
-def backward_param_reads(io: SegmentIO, avals, diff_params, diff_acts
-                         ) -> tuple[set[int], set[int]]:
-  """(`backward_param_needs`, the positions among them that a gather of the backward reads:
-  lookups the vjp recomputes, as the residual policy keeps matmul outputs only)."""
   if not io.param_inputs:
     return set(), set()
   p_avals = [_spec(avals[v]) for v in io.param_inputs]

@@ -35,9 +35,8 @@ def megatron_estimate(trace, entries, segments=(), recomputed_lookups=()
            if e.tensor_dim is not None}
   if not split:
     return []
-  origin = {program.input_ids[i]: i for i in range(len(entries))}  # view -> parameter
-  recomputed = _recomputed_lookups(program, origin, segments, recomputed_lookups)
-  views = set(program.input_ids[:len(entries)])
+  origin = {program.input_ids[i]: i for i in range(len(entries))}  # view -> its parameter
+  segment_of = {n: k for k, seg in enumerate(segments) for n in range(seg.start, seg.end)}
   # values that depend on trained parameters (a frozen one's have no gradient)
   differentiable = {program.input_ids[i] for i, e in enumerate(entries) if ir.has_gradient(e)}
   out, reduced_inputs = [], set()
@@ -45,8 +44,7 @@ def megatron_estimate(trace, entries, segments=(), recomputed_lookups=()
     values = [v if isinstance(v, int) else None for v in op.inputs]
     if differentiable.intersection(values):
       differentiable.update(op.outputs)
-    if op.primitive in LAYOUT_PRIMITIVES and values and values[0] in views:
-      views.update(op.outputs)
+    if op.primitive in LAYOUT_PRIMITIVES and values and values[0] in origin:
       origin.update((o, origin[values[0]]) for o in op.outputs)
       if values[0] in split:
         dim = _view_dim(op, split[values[0]], program.avals[values[0]].shape)
@@ -55,7 +53,7 @@ def megatron_estimate(trace, entries, segments=(), recomputed_lookups=()
       continue
     if op.primitive == "gather" and values[0] in split and split[values[0]] == 0:
       out.append(("all_reduce", "forward", _bytes(program, op.outputs[0])))
-      if (n, origin[values[0]]) in recomputed:
+      if n in segment_of and origin[values[0]] in recomputed_lookups[segment_of[n]]:
         out.append(("all_reduce", "backward", _bytes(program, op.outputs[0])))
     if op.primitive != "dot_general":
       continue
@@ -66,24 +64,9 @@ def megatron_estimate(trace, entries, segments=(), recomputed_lookups=()
         out.append(("all_reduce", "forward", _bytes(program, op.outputs[0])))
         continue
       other = values[1 - pos]
-      if other in differentiable and other not in views and other not in reduced_inputs:
+      if other in differentiable and other not in origin and other not in reduced_inputs:
         reduced_inputs.add(other)  # column-parallel: the input's gradient, in backward
         out.append(("all_reduce", "backward", _bytes(program, other)))
-  return out
-
-
-def _recomputed_lookups(program, origin, segments, recomputed) -> set[tuple[int, int]]:
-  """(op, parameter) of the lookups that the vjp of their segment recomputes (`recomputed`:
-  per segment, the parameters its vjp's gathers read)."""
-  origin, out = dict(origin), set()
-  segment_of = {n: k for k, seg in enumerate(segments) for n in range(seg.start, seg.end)}
-  for n, op in enumerate(program.ops):
-    values = [v if isinstance(v, int) else None for v in op.inputs]
-    if op.primitive in LAYOUT_PRIMITIVES and values and values[0] in origin:
-      origin.update((o, origin[values[0]]) for o in op.outputs)
-    elif (op.primitive == "gather" and values[0] in origin and n in segment_of
-          and origin[values[0]] in recomputed[segment_of[n]]):
-      out.add((n, origin[values[0]]))
   return out
 
 
