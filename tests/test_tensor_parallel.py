@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.lax import with_sharding_constraint
 from jax.sharding import AxisType, PartitionSpec as P
 
 import zjax
@@ -181,8 +182,11 @@ class Stack(nn.Module):
 
 
 def logical_rules(sequence_parallel):
+  """MaxText's kind of rules: the batch over the data axis (zjax drops it from the
+  constraints; it splits the batch itself), the sequence over tensor with sequence
+  parallelism."""
   return [("embed", "fsdp"), ("mlp", "tensor"), ("heads", "tensor"),
-          ("activation_batch", None), ("activation_embed", None),
+          ("activation_batch", "fsdp"), ("activation_embed", None),
           ("activation_length", "tensor" if sequence_parallel else None)]
 
 
@@ -203,6 +207,12 @@ def test_annotated_linen_model(sequence_parallel):
   dims = {p.path: p.tensor_dim for p in schedule.params}
   assert dims["['block_0']['q']['kernel']"] == 1 and dims["['block_0']['wo']['kernel']"] == 0
   assert dims["['block_1']['RMSNorm_0']['scale']"] is None  # embed -> fsdp: ignored
+  sp = "'tensor'" if sequence_parallel else "None"
+  assert schedule.notes == (f"sharding constraint P('fsdp', {sp}, None) on a "
+                            f"2x4x8 value: data axes ['fsdp'] dropped (zjax splits the "
+                            f"batch over them)",)
+  assert zjax.Schedule.from_json(schedule.to_json()).notes == schedule.notes
+  assert "note: sharding constraint" in str(schedule)
   step, sharded = step_matches_reference(loss_fn, schedule, mesh, boxed, x)
   text = zjax.hlo.compile_for_analysis(step.lower(sharded, x)).as_text()
   executed = data_axis_bytes(text, mesh)
@@ -287,9 +297,9 @@ def test_bad_input_is_refused_with_the_parameter_named():
       zjax.compile_schedule(lambda p, x: loss(p, x) + collective(jnp.sum(p["v"])), params, x,
                             mesh=mesh, config=config, tensor_specs=[("v", P("tensor"))])
 
-  def constrained(p, x):  # a constraint naming the data axis
-    return loss(p, jax.lax.with_sharding_constraint(x, P("fsdp", None)))
-  with pytest.raises(TraceError, match="drop the data axes"):
+  def constrained(p, x):  # the function imported by name: the data axis is not dropped
+    return loss(p, with_sharding_constraint(x, P("fsdp", None)))
+  with pytest.raises(TraceError, match="imported by name before tracing"):
     zjax.compile_schedule(constrained, params, x, mesh=mesh, config=config,
                           tensor_specs=[("v", P("tensor"))])
 

@@ -4,15 +4,21 @@ zjax replays the traced program inside its shard_map, which is manual over the d
 and leaves the tensor axis to GSPMD. So the program is traced under that view of the mesh
 (data axes Manual, tensor axis Auto): every value's type and the context of every op are
 then what the replay sees, and the model's own `with_sharding_constraint` /
-`nn.with_logical_constraint` calls may name the tensor axis. A constraint naming a data
-axis is refused by JAX there; the error says to drop the data axes from the rules (zjax
-splits the batch over them anyway).
+`nn.with_logical_constraint` calls may name the tensor axis.
+
+A constraint naming a data axis (MaxText's rules map the batch dimension to `data` /
+`fsdp`) would be refused by JAX there: those axes are manual. zjax has split the batch over
+them already, so the constraint's meaning on one device's share is the same spec without
+the data axes, and that is what is traced (the schedule's notes say which constraints lost
+which axes). The rewrite is at `jax.lax.with_sharding_constraint`, which Flax's logical
+constraints call too; code that imported the function by name before zjax traced it gets a
+TraceError that says what to change.
 """
 
 import contextlib
 
 import jax
-from jax.sharding import AbstractMesh, AxisType
+from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
 
 from zjax._src.errors import TraceError
 
@@ -30,12 +36,21 @@ def abstract_mesh(mesh, data_axes) -> AbstractMesh:
 
 
 @contextlib.contextmanager
-def tracing_mesh(mesh: AbstractMesh | None, data_axes):
-  """Trace under `mesh` (tensor parallelism; nothing when None); a sharding constraint on a
-  data axis becomes a TraceError that says what to change."""
+def tracing_mesh(mesh: AbstractMesh | None, data_axes, notes: list[str] | None = None):
+  """Trace under `mesh` (tensor parallelism; nothing when None), with the data axes dropped
+  from the loss's sharding constraints (each drop described in `notes`); a constraint that
+  still names a data axis becomes a TraceError that says what to change."""
   if mesh is None:
     yield
     return
+  notes = [] if notes is None else notes
+  original = jax.lax.with_sharding_constraint
+
+  def constrain(x, shardings):
+    return original(x, jax.tree.map(lambda s: _without_data_axes(s, data_axes, x, notes),
+                                    shardings, is_leaf=_is_sharding))
+
+  jax.lax.with_sharding_constraint = constrain
   try:
     with jax.sharding.use_abstract_mesh(mesh):
       yield
@@ -46,7 +61,43 @@ def tracing_mesh(mesh: AbstractMesh | None, data_axes):
     raise TraceError(
         f"A sharding constraint in the loss names a data axis {named or list(data_axes)} "
         f"({str(e).splitlines()[0]}). Under tensor parallelism zjax splits the batch over "
-        f"the data axes {list(data_axes)} itself and the model may constrain only the "
-        f"tensor axis: drop the data axes from the logical axis rules the loss uses (e.g. "
+        f"the data axes {list(data_axes)} itself and drops them from the constraints that "
+        f"call jax.lax.with_sharding_constraint while it traces; this one bypassed that "
+        f"(imported by name before tracing?): call it as jax.lax.with_sharding_constraint, "
+        f"or drop the data axes from the logical axis rules the loss uses (e.g. "
         f"('activation_batch', None) instead of ('activation_batch', ('data', 'fsdp')))."
     ) from None
+  finally:
+    jax.lax.with_sharding_constraint = original
+
+
+def _is_sharding(s) -> bool:
+  return isinstance(s, (P, NamedSharding))
+
+
+def _without_data_axes(sharding, data_axes, x, notes: list[str]):
+  """`sharding` as a PartitionSpec of the context mesh without the data axes (a
+  NamedSharding's own mesh is the user's, whose data axes are not manual); anything else
+  (None, a layout) as given."""
+  if not _is_sharding(sharding):
+    return sharding
+  spec = sharding.spec if isinstance(sharding, NamedSharding) else sharding
+  kept, dropped = [], []
+  for entry in spec:
+    names = entry if isinstance(entry, tuple) else (entry,)
+    if entry is None or entry is P.UNCONSTRAINED or not any(n in data_axes for n in names):
+      kept.append(entry)
+      continue
+    dropped += [n for n in names if n in data_axes]
+    rest = tuple(n for n in names if n not in data_axes)
+    kept.append(rest[0] if len(rest) == 1 else (rest or None))
+  if not dropped and isinstance(sharding, P):
+    return sharding
+  if dropped:
+    shape = getattr(x, "shape", None)
+    on = "" if shape is None else f" on a {'x'.join(map(str, shape)) or 'scalar'} value"
+    note = (f"sharding constraint {spec}{on}: data axes {sorted(set(dropped))} dropped "
+            f"(zjax splits the batch over them)")
+    if note not in notes:
+      notes.append(note)
+  return P(*kept)

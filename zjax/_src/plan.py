@@ -227,7 +227,7 @@ def _plan_with(trace, config, axis_sizes, frozen, platform, rolling, tensor) -> 
                   num_ops=len(trace.ops),
                   program_hash=program_hash(o.primitive for o in trace.ops), params=entries,
                   buckets=buckets, segments=segments, forward=forward, backward=backward,
-                  rolling=rolling.notes, tensor_sizes=tensor.sizes,
+                  rolling=rolling.notes, tensor_sizes=tensor.sizes, notes=trace.notes,
                   tensor_estimate=tuple(tensor_comm.megatron_estimate(
                       trace, entries, segments, recomputed_lookups)))
 

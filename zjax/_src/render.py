@@ -30,7 +30,8 @@ def render_schedule(s, sim) -> str:
   if len(s.config.data_axes) == 1:  # every collective spans the one axis: no column
     rows = [r[:3] + r[4:] for r in rows]
   rolling = "".join(f"\nlayer rolling: {note}" for note in s.rolling)
-  return head + "\n" + table(rows) + rolling
+  notes = "".join(f"\nnote: {note}" for note in s.notes)
+  return head + "\n" + table(rows) + rolling + notes
 
 
 def _layout_words(s) -> str:

@@ -61,6 +61,9 @@ class Schedule:
   # A Megatron-style estimate of the tensor axis's collectives, which are GSPMD's, not the
   # schedule's: (kind, phase, bytes) each (tensor_comm.py; () without tensor parallelism).
   tensor_estimate: tuple[tuple[str, str, int], ...] = ()
+  # What tracing changed in the loss, for people (data axes dropped from its sharding
+  # constraints under tensor parallelism); () when nothing.
+  notes: tuple[str, ...] = ()
   # The params' pytree structure, known when compiled in this process (not saved in JSON).
   params_treedef = None
 
@@ -149,6 +152,7 @@ class Schedule:
         "segments": [dataclasses.asdict(s) for s in self.segments],
         "rolling": list(self.rolling),
         **({"tensor_estimate": list(self.tensor_estimate)} if self.tensor_estimate else {}),
+        **({"notes": list(self.notes)} if self.notes else {}),
         "forward": [s.to_dict_with_axes("forward", self.config, self.buckets)
                     for s in self.forward],
         "backward": [s.to_dict_with_axes("backward", self.config, self.buckets)
@@ -306,6 +310,7 @@ def _parse(data) -> dict:
       segments=tuple(_parse_segment(s, i) for i, s in enumerate(_items(data, "segments"))),
       rolling=tuple(_string_list(data, "rolling", "top level") if "rolling" in data else ()),
       tensor_estimate=_tensor_estimate(data),
+      notes=tuple(_string_list(data, "notes", "top level") if "notes" in data else ()),
       forward=tuple(_parse_step(s, i, "forward", config, buckets)
                     for i, s in enumerate(_items(data, "forward"))),
       backward=tuple(_parse_step(s, i, "backward", config, buckets)

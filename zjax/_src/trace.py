@@ -81,6 +81,9 @@ class ProgramTrace:
   ops: tuple[OpInfo, ...]
   treedef: Any
   program: FlatProgram = dataclasses.field(compare=False, repr=False, default=None)
+  # what the trace changed in the loss (tensor parallelism: data axes dropped from its
+  # sharding constraints, constraints.py)
+  notes: tuple[str, ...] = ()
 
 
 def trace_program(loss_fn: Callable, params: Any, batch: Any, extra: Any = None
@@ -189,9 +192,11 @@ def _trace_key(loss_fn, params, batch, extra, axis_sizes, stored, mesh):
 
 
 def _trace_bound(loss_fn, as_computed, device_batch, extra, axis_sizes, config, mesh):
-  with data_axis_bound(axis_sizes), constraints.tracing_mesh(mesh, config.data_axes):
+  notes = []
+  with data_axis_bound(axis_sizes), constraints.tracing_mesh(mesh, config.data_axes, notes):
     try:
-      trace = trace_program(loss_fn, as_computed, device_batch, extra)
+      trace = dataclasses.replace(trace_program(loss_fn, as_computed, device_batch, extra),
+                                  notes=tuple(notes))
     except _UnboundAxisError as e:
       if e.axis in config.tensor_axes:
         raise TraceError(
