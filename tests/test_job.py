@@ -117,6 +117,12 @@ def test_train_tensor_parallel_then_resume_without_it(tmp_path):
       second.stdout
   losses = [row["loss"] for row in json.loads((out / "metrics.json").read_text())["train"]]
   assert len(losses) == 6 and losses[-1] < losses[0] - 0.5
+  scanned = zjax_cli("train", *TINY, "--steps", "2", "--tensor-parallel", "2", "--scan",
+                     "--out-dir", str(tmp_path / "scanned"))  # nn.scan blocks, split too
+  assert scanned.returncode == 0, scanned.stderr[-3000:]
+  summary = json.loads((tmp_path / "scanned" / "metrics.json").read_text())["summary"]
+  assert summary["data_axis_collective_bytes"] == summary["schedule_collective_bytes"] > 0
+  assert summary["tensor_axis_collective_bytes"] > 0
 
 
 def test_skipped_steps_are_printed_counted_and_too_many_stop_the_run(tmp_path):
@@ -156,7 +162,6 @@ def test_resume_with_another_model_fails_clearly(tmp_path):
     (["--batch", "6", "--tensor-parallel", "2"], "not divisible by the 4 data-parallel devices"),
     (["--tensor-parallel", "3"], "tensor_parallel 3 does not divide devices 8"),
     (["--tensor-parallel", "2", "--d-ff", "511"], "d_ff 511 is not divisible by tensor_parallel 2"),
-    (["--tensor-parallel", "2", "--scan"], "this version does not scan tensor-parallel layers"),
     (["--out-dir", "/proc/zjax-cannot-write-here"], "cannot be created or written"),
     (["--precision", "fp8"], "invalid choice: 'fp8'"),
     (["--reduce-quantization", "int2"], "invalid choice: 'int2'"),

@@ -24,6 +24,7 @@ from zjax._src import layout
 from zjax._src.errors import TraceError, ZjaxError
 
 from helpers import assert_trees_close, compiles_logged, reference, steps_like_optax
+from test_rolling import rolled_lengths
 
 D, F = 6, 18  # a TP slice of w1 is 6 x 9 = 54 elements: not a multiple of N = 4
 RULES = [(r"w1", P(None, "tensor")), (r"b1", P("tensor")), (r"w2", P("tensor", None))]
@@ -95,21 +96,24 @@ def data_axis_bytes(text, mesh):
 
 
 def storage_over_tensor(text, mesh, schedule):
-  """All-gathers / reduce-scatters over the tensor axis whose buffer holds as many elements
-  as a tensor-parallel leaf's storage (or its gathered rows): the failure mode of gathering
-  storage that GSPMD shards over the tensor axis (the design study's 2x bytes)."""
-  sizes = set()
+  """All-gathers / reduce-scatters over the tensor axis whose buffer is shaped as a
+  tensor-parallel leaf's storage (or one device's chunk of it), of one layer or of a whole
+  stack, as stored or flattened: the failure mode of gathering storage that GSPMD shards
+  over the tensor axis (the design study's 2x bytes)."""
+  shapes = set()
   for leaf in schedule.storage:
     if leaf.entry.tensor_dim is not None and not leaf.entry.persistent:
-      t, width = layout.storage_shape(leaf.entry, schedule.num_devices)
-      sizes |= {t * width, t * width // schedule.num_devices}
+      *layers, t, width = layout.storage_shape(leaf.entry, schedule.num_devices)
+      for w in (width, width // schedule.num_devices):
+        shapes |= {(t, w), (t * w,)}
+        if layers:
+          shapes |= {(*layers, t, w), (layers[0] * t * w,), (layers[0], t * w)}
   found = []
   for c in zjax.hlo.collectives(text):
     axes = zjax.hlo.axes_of_groups(c.groups, dict(mesh.shape))
     if "tensor" in axes and c.kind in ("all_gather", "reduce_scatter"):
-      elements = int(np.prod([int(d) for d in c.shape.split("[")[1].split("]")[0].split(",")
-                              if d]))
-      if elements in sizes:
+      shape = tuple(int(d) for d in c.shape.split("[")[1].split("]")[0].split(",") if d)
+      if shape in shapes:
         found.append(c)
   return found
 
@@ -130,15 +134,105 @@ def test_mlp_parity_and_report_equals_hlo(name):
   assert executed["all_gather"] == report["all_gather_bytes_by_axis"]
   assert executed["reduce_scatter"] == report["reduce_scatter_bytes_by_axis"]
   assert executed["all_reduce"] == report["all_reduce_bytes_by_axis"]
-  # each gather moves TP-local slices: the bytes of one slice set, not of the whole weight
-  assert report["all_gather_bytes_by_axis"]["fsdp"] < 4 * sum(
-      p.size for p in schedule.params if not p.persistent) // t + 64
+  # each gather moves TP-local slices: at most the bytes of one slice set per pass (the
+  # layers roll: gathered in forward, re-gathered in backward), not of the whole weights
+  assert rolled_lengths(schedule) == [2]
+  assert report["all_gather_bytes_by_axis"]["fsdp"] < 2 * 4 * sum(
+      p.size for p in schedule.params if not p.persistent) // t + 128
   assert not storage_over_tensor(text, mesh, schedule)
   # nothing of the storage crosses the tensor axis: only GSPMD's activation all-reduces
   kinds = collections.Counter(c.kind for c in zjax.hlo.collectives(text)
                               if "tensor" in zjax.hlo.axes_of_groups(c.groups,
                                                                      dict(mesh.shape)))
   assert set(kinds) == {"all_reduce"}, kinds
+
+
+SCAN_RULES = [(r"w1", P(None, None, "tensor")), (r"b1", P(None, "tensor")),
+              (r"w2", P(None, "tensor", None))]  # natural specs: dim 0 is the layer axis
+
+
+def scanned_mlp_params(f):
+  layers = mlp_params(f)
+  return jax.tree.map(lambda *xs: jnp.stack(xs), layers["l0"], layers["l1"])
+
+
+def scanned_mlp_loss(p, x):
+  """mlp_loss over stacked weights, as a lax.scan (each iteration reads its layer)."""
+  def layer(h, w):
+    u = h * w["ln"]
+    return h + jax.nn.relu(u @ w["w1"] + w["b1"]) @ w["w2"], None
+  h, _ = jax.lax.scan(layer, x, p)
+  return jnp.mean(h ** 2)
+
+
+def scanned_setup(name, config_kw=None):
+  shape, names, replicate = MESHES[name]
+  mesh = auto_mesh(shape, names)
+  config = zjax.ZeroConfig(shard_axes=("fsdp",), replicate_axes=replicate,
+                           tensor_axes=("tensor",), param_persistence_threshold=8,
+                           **(config_kw or {}))
+  params = scanned_mlp_params(F_FOR_T4)
+  schedule = zjax.compile_schedule(scanned_mlp_loss, params, BATCH, mesh=mesh, config=config,
+                                   tensor_specs=SCAN_RULES)
+  return mesh, params, schedule
+
+
+@pytest.mark.parametrize("name", list(MESHES))
+def test_scanned_layers_store_and_gather_each_layers_slices(name):
+  """A scan over stacked weights under tensor parallelism: each stacked leaf is stored
+  [L, T, padded slice] (a layer's TP slices split over the data axes), each iteration
+  gathers its layer's slices over the data axes only. Parity, state == report, report ==
+  HLO per data axis, nothing of the storage over the tensor axis."""
+  mesh, params, schedule = scanned_setup(name)
+  t = mesh.shape["tensor"]
+  w1 = next(p for p in schedule.params if p.path == "['w1']")
+  assert w1.stacked and w1.tensor_dim == 1  # counted from the layer's dims
+  assert layout.storage_shape(w1, schedule.num_devices) == (
+      2, t, ir_padded(D * F_FOR_T4 // t, schedule.num_devices))
+  step, sharded = step_matches_reference(scanned_mlp_loss, schedule, mesh, params, BATCH)
+  assert zjax.per_device_bytes(sharded) == schedule.report()["state_bytes_per_device"]
+  assert_report_equals_hlo(step, (sharded, BATCH), mesh, schedule)
+
+
+def ir_padded(size, n):
+  return -(-size // n) * n
+
+
+def test_scanned_checkpoints_across_tensor_sizes_and_bad_specs(tmp_path):
+  """A scanned run's checkpoint on (4, 2) restores bitwise on (2, 4), (2, 2, 2) and (8,)
+  without tensor parallelism, and back; a spec splitting the scanned axis is refused."""
+  mesh, params, schedule = scanned_setup("fsdp4_tensor2")
+  optimizer = optax.adamw(1e-2)
+  trainer = zjax.zero3(scanned_mlp_loss, optimizer, schedule, mesh=mesh)
+  state, ref = steps_like_optax(trainer, trainer.init(params), scanned_mlp_loss, optimizer,
+                                params, BATCH, 3)
+  trained = jax.device_get(trainer.gather_params(state))
+  assert_trees_close(trained, ref, rtol=1e-5, atol=1e-6)
+  with zjax.CheckpointManager(tmp_path / "tp", trainer) as ckpt:
+    ckpt.save(3, state)
+  jax.tree.map(np.testing.assert_array_equal, zjax.export_params(tmp_path / "tp"), trained)
+  for name in ("fsdp2_tensor4", "replica2_fsdp2_tensor2", None):
+    if name is None:
+      other_mesh = jax.make_mesh((8,), ("fsdp",))
+      other = zjax.compile_schedule(scanned_mlp_loss, params, BATCH, mesh=other_mesh,
+                                    config=zjax.ZeroConfig(param_persistence_threshold=8))
+    else:
+      other_mesh, _, other = scanned_setup(name)
+    other_trainer = zjax.zero3(scanned_mlp_loss, optimizer, other, mesh=other_mesh)
+    with zjax.CheckpointManager(tmp_path / "tp", other_trainer) as manager:
+      restored = manager.restore(other_trainer)
+    jax.tree.map(np.testing.assert_array_equal,
+                 jax.device_get(other_trainer.gather_params(restored)), trained)
+  with zjax.CheckpointManager(tmp_path / "dp", other_trainer) as manager:  # and back
+    manager.save(3, restored)
+  with zjax.CheckpointManager(tmp_path / "dp", trainer) as manager:
+    back = manager.restore(trainer)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(trainer.gather_params(back)),
+               trained)
+  with pytest.raises(ZjaxError, match=r"\['w1'\] is stacked .*\(dim 0\) is split over "
+                                      r"the tensor axis"):
+    zjax.compile_schedule(scanned_mlp_loss, params, BATCH, mesh=mesh,
+                          config=schedule.config, tensor_specs=[("w1", P("tensor"))])
 
 
 def test_pytree_specs_plan_as_the_rules():
@@ -358,13 +452,13 @@ def assert_estimate_near_hlo(text, mesh, schedule, megatron_layout):
     assert 0 < estimate < measured, (estimate, measured)
 
 
-def annotated_gpt():
+def annotated_gpt(scan_layers=False):
   """The GPT example annotated with logical names: a tied, vocab-parallel embedding (257
   ids padded to 258: a TP slice of 129 x 10 = 1290 elements, not a multiple of N = 4),
   heads and MLP width over tensor."""
   from zjax.models.gpt import GPT, LOGICAL_AXIS_RULES, GPTConfig, make_loss_fn
   cfg = GPTConfig(vocab_size=257, vocab_multiple=2, seq_len=8, d_model=10, n_layer=2,
-                  n_head=2, d_ff=20, logical_axes=True)
+                  n_head=2, d_ff=20, logical_axes=True, scan_layers=scan_layers)
   model = GPT(cfg)
   tokens = jnp.asarray(np.random.default_rng(4).integers(0, 257, (8, 9)), jnp.int32)
   return make_loss_fn(model), model.init(jax.random.key(0), tokens[:, :-1]), \
@@ -374,12 +468,15 @@ def annotated_gpt():
 HPZ = {"secondary_partition": True, "max_reuse_distance": 0}  # backward re-gathers: hpZ's
 
 
-@pytest.mark.parametrize("name,layout", [("fsdp4_tensor2", {}),
-                                         ("replica2_fsdp2_tensor2", {}),
-                                         ("replica2_fsdp2_tensor2", HPZ)],
-                         ids=["fsdp4_tensor2", "replica2_fsdp2_tensor2", "hpz"])
-def test_annotated_gpt_with_a_vocab_parallel_tied_embedding(name, layout):
-  loss_fn, boxed, batch, rules = annotated_gpt()
+@pytest.mark.parametrize("name,layout,scan", [
+    ("fsdp4_tensor2", {}, False), ("replica2_fsdp2_tensor2", {}, False),
+    ("replica2_fsdp2_tensor2", HPZ, False), ("fsdp4_tensor2", {"roll_layers": False}, False),
+    ("replica2_fsdp2_tensor2", {}, True), ("replica2_fsdp2_tensor2", HPZ, True)],
+    ids=["fsdp4_tensor2", "replica2_fsdp2_tensor2", "hpz", "unrolled", "scan", "scan_hpz"])
+def test_annotated_gpt_with_a_vocab_parallel_tied_embedding(name, layout, scan):
+  """Rolled (the default), unrolled and nn.scan (MaxText's scan_layers, the stacked axis
+  named 'layers' and left out of the rules)."""
+  loss_fn, boxed, batch, rules = annotated_gpt(scan_layers=scan)
   shape, names, replicate = MESHES[name]
   mesh = auto_mesh(shape, names)
   config = zjax.ZeroConfig(shard_axes=("fsdp",), replicate_axes=replicate,
@@ -387,27 +484,35 @@ def test_annotated_gpt_with_a_vocab_parallel_tied_embedding(name, layout):
   schedule = zjax.compile_schedule(loss_fn, boxed, batch, mesh=mesh, config=config,
                                    logical_axis_rules=rules)
   dims = {p.path: p.tensor_dim for p in schedule.params}
+  block = "['params']['layers']['block']" if scan else "['params']['block_1']"
   assert dims["['params']['embed']['embedding']"] == 0  # vocab rows: used twice (tied)
-  assert dims["['params']['block_1']['attn']['qkv']['kernel']"] == 1
-  assert dims["['params']['block_1']['mlp']['proj']['kernel']"] == 0
+  assert dims[f"{block}['attn']['qkv']['kernel']"] == 1  # (a stack's: of one layer)
+  assert dims[f"{block}['mlp']['proj']['kernel']"] == 0
   assert dims["['params']['pos_embed']"] is None
-  assert any("tensor-parallel" in note for note in schedule.rolling)  # unrolled, said so
+  # the two blocks roll, or scan (a loop of 2 either way), unless rolling is off
+  assert rolled_lengths(schedule) == ([] if "roll_layers" in layout else [2])
   step, sharded = step_matches_reference(loss_fn, schedule, mesh, boxed, batch)
   assert zjax.per_device_bytes(sharded) == schedule.report()["state_bytes_per_device"]
   assert_report_equals_hlo(step, (sharded, batch), mesh, schedule)
-  if layout:  # hpZ: the backward re-gathers each TP slice from its secondary, over fsdp
-    assert schedule.report()["all_gather_bytes_by_axis"]["fsdp"] > 0
+  if layout.get("secondary_partition"):  # the backward re-gathers each TP slice from its
+    assert schedule.report()["all_gather_bytes_by_axis"]["fsdp"] > 0  # secondary, over fsdp
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
-def test_hpz_keeps_each_tensor_ranks_secondary_slices(quantization):
+@pytest.mark.parametrize("quantization,roll", [(None, False), ("int8", False), (None, True),
+                                               ("int8", True)])
+def test_hpz_keeps_each_tensor_ranks_secondary_slices(quantization, roll):
   """hpZ under tensor parallelism: the forward gather (over replica+fsdp) leaves each device
   the secondary rows of its own TP slices; the backward re-gathers them over fsdp alone.
+  Unrolled, and rolled (each iteration keeps its layer's secondaries, one per tensor rank).
   Parity, report == HLO per data axis, and no storage crosses the tensor axis."""
-  mesh, params, schedule = setup("replica2_fsdp2_tensor2", {
-      "param_persistence_threshold": 8, "gather_quantization": quantization, **HPZ})
+  knobs = {"param_persistence_threshold": 8, "gather_quantization": quantization,
+           "roll_layers": roll}
+  mesh, params, schedule = setup("replica2_fsdp2_tensor2", {**knobs, **HPZ})
   ops = [st.op for st in schedule.forward + schedule.backward]
-  assert ops.count("keep_secondary") == ops.count("drop_secondary") == 1  # layer 0
+  if roll:
+    assert rolled_lengths(schedule) == [2]
+  else:
+    assert ops.count("keep_secondary") == ops.count("drop_secondary") == 1  # layer 0
   step = zjax.value_and_grad(mlp_loss, schedule, mesh=mesh)
   sharded = zjax.shard(params, schedule, mesh)
   loss, grads = step(sharded, BATCH)
@@ -416,10 +521,8 @@ def test_hpz_keeps_each_tensor_ranks_secondary_slices(quantization):
   else:  # int8 wires: re-gathered from the secondary == kept gathered from forward to
     # backward (the same quantized wire), and the loss near the unquantized one
     np.testing.assert_allclose(loss, reference(mlp_loss, params, BATCH)[0], rtol=1e-2)
-    _, _, kept = setup("replica2_fsdp2_tensor2", {"param_persistence_threshold": 8,
-                                                  "gather_quantization": quantization,
-                                                  "secondary_partition": True})
-    assert "keep_secondary" not in [st.op for st in kept.forward]
+    _, _, kept = setup("replica2_fsdp2_tensor2", {**knobs, "secondary_partition": True})
+    assert roll or "keep_secondary" not in [st.op for st in kept.forward]
     ref_loss, ref_grads = zjax.value_and_grad(mlp_loss, kept, mesh=mesh)(
         zjax.shard(params, kept, mesh), BATCH)
     ref_grads = zjax.unshard(ref_grads, kept)
@@ -503,17 +606,28 @@ def test_bf16_compute_with_quantized_gathers_and_reductions():
     np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=3e-2)
 
 
-def test_barriers_kept_and_steps_do_not_recompile():
-  """Every compute segment that reads gathered params is fenced by an optimization barrier
-  in the program as a GPU orders it (the nested tensor region must not lose them); a second
-  and third step compile nothing and donate the state."""
-  mesh, params, schedule = setup("fsdp4_tensor2", {"param_persistence_threshold": 8})
+@pytest.mark.parametrize("roll", [False, True], ids=["unrolled", "rolled"])
+def test_barriers_kept_and_steps_do_not_recompile(roll):
+  """The program as a GPU orders it keeps every optimization barrier that the same schedule
+  has without tensor parallelism (the nested tensor region must not lose them; unrolled,
+  every compute segment that reads gathered params is fenced); a second and third step
+  compile nothing and donate the state."""
+  knobs = {"param_persistence_threshold": 8, "roll_layers": roll}
+  mesh, params, schedule = setup("fsdp4_tensor2", knobs)
   trainer = zjax.zero3(mlp_loss, optax.adamw(1e-2), schedule, mesh=mesh)
   state = trainer.init(params)
   text = zjax.hlo.compile_for_analysis(trainer.step.lower(state, BATCH)).as_text()
-  fenced = [s for s in schedule.forward + schedule.backward
-            if s.op == "compute" and schedule.segments[s.segment].buckets]
-  assert len(fenced) == 4 and text.count("opt-barrier(") >= len(fenced)
+  plain_mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices()[:4])
+  plain = zjax.compile_schedule(mlp_loss, params, BATCH, mesh=plain_mesh,
+                                config=zjax.ZeroConfig(shard_axes=("fsdp",), **knobs))
+  plain_trainer = zjax.zero3(mlp_loss, optax.adamw(1e-2), plain, mesh=plain_mesh)
+  plain_text = zjax.hlo.compile_for_analysis(plain_trainer.step.lower(
+      plain_trainer.init(params), BATCH)).as_text()
+  assert text.count("opt-barrier(") >= plain_text.count("opt-barrier(") > 0
+  if not roll:
+    fenced = [s for s in schedule.forward + schedule.backward
+              if s.op == "compute" and schedule.segments[s.segment].buckets]
+    assert len(fenced) == 4 and text.count("opt-barrier(") >= len(fenced)
   state, _ = trainer.step(state, BATCH)
   with compiles_logged() as compiled:
     for _ in range(2):

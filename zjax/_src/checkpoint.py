@@ -346,8 +346,10 @@ def _ravel(x):
 def _without_slices(xs, entries) -> list:
   """Storage leaves as saved: a tensor-parallel one ([T, padded slice]; `entries`: the
   parameter each leaf holds or mirrors, or None) in the flat natural layout (natural order,
-  zero-padded to a multiple of the devices), so that a checkpoint does not depend on the
-  tensor axis and restores on any mesh, with or without one. One program for all of them."""
+  zero-padded to a multiple of the devices; a stacked one [L, T, padded slice] per layer
+  row, as a stack without tensor parallelism is stored), so that a checkpoint does not
+  depend on the tensor axis and restores on any mesh, with or without one. One program for
+  all of them."""
   split = [k for k, e in enumerate(entries)
            if e is not None and e.tensor_dim is not None and not e.persistent]
   if not split:
@@ -363,10 +365,17 @@ def _without_slices(xs, entries) -> list:
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _flat_natural(xs, entries, mesh):
   out = []
+  devices = tuple(mesh.axis_names)
   for x, entry in zip(xs, entries):
-    flat = layout.natural_from_storage(x, entry).reshape(-1)
-    flat = jnp.pad(flat, (0, ir.padded_size(entry.size, mesh.size) - entry.size))
-    out.append(layout.place(flat, mesh, P(tuple(mesh.axis_names))))
+    natural = layout.natural_from_storage(x, entry)
+    if entry.stacked:  # rows [L, padded layer]
+      rows = natural.reshape(entry.shape[0], -1)
+      rows = jnp.pad(rows, ((0, 0), (0, ir.padded_size(entry.layer_size, mesh.size)
+                                     - entry.layer_size)))
+      out.append(layout.place(rows, mesh, P(None, devices)))
+      continue
+    flat = jnp.pad(natural.reshape(-1), (0, ir.padded_size(entry.size, mesh.size) - entry.size))
+    out.append(layout.place(flat, mesh, P(devices)))
   return out
 
 

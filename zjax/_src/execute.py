@@ -208,6 +208,68 @@ class _DeviceProgram:
   def reduce_quantization(self, b):
     return ir.reduce_quantization(self.s.buckets[b], self.s.config)
 
+  # ---- a bucket's collectives (unrolled and per loop layer) -----------------------------
+  # Under tensor parallelism each runs manual over the tensor axis too (tensor_parallel.py):
+  # every device moves its own TP slices over the data axes, and the parameters come out
+  # natural-shaped, split over the tensor axis on their tensor dimension. A bucket's wire
+  # (and its hpZ secondary) is then one per tensor rank: a leading axis of T rows.
+  def gather_bucket(self, b, phase: str, chunks, entries, keep_wire=False):
+    """-> (the bucket's parameters from this device's chunks, its gathered wire or None)."""
+    quantization, axes = self.gather_quantization(b, phase), self.gather_axes(phase)
+    if not self.tensor_axis:
+      wire, _ = collectives.gather_wire(chunks, axes, quantization)
+      return collectives.unpack_wire(wire, chunks, entries, self.n, quantization), wire
+    slices = [tensor_parallel.slice_entry(e) for e in entries]
+
+    def gather(local):
+      wire, _ = collectives.gather_wire(local, axes, quantization)
+      values = collectives.unpack_wire(wire, local, slices, self.n, quantization)
+      return values + [wire] if keep_wire else values
+    out = tensor_parallel.nested(gather, entries, self.tensor_axis, "storage", "natural",
+                                 ranked_out=int(keep_wire))(chunks)
+    return (out[:-1], out[-1]) if keep_wire else (out, None)
+
+  def secondary_of(self, wire, entries):
+    """hpZ: this device's secondary rows of a bucket's gathered wire."""
+    rows = functools.partial(collectives.secondary_rows, replicas=self.s.replicas,
+                             shard_axes=self.shard_axes)
+    if not self.tensor_axis:
+      return rows(wire)
+    secondary, = tensor_parallel.nested(lambda w: [rows(w[0])], entries, self.tensor_axis,
+                                        "none", "none", ranked_in=1, ranked_out=1)([wire])
+    return secondary
+
+  def regather_bucket(self, b, secondary, chunks, entries):
+    """hpZ's backward gather of a bucket from its secondary, over the shard axes only
+    (`chunks`: the shapes of this device's storage chunks, for unpacking)."""
+    quantization = self.gather_quantization(b, "backward")
+    if not self.tensor_axis:
+      wire = collectives.gather_from_secondary(secondary, self.shard_axes)
+      return collectives.unpack_wire(wire, chunks, entries, self.n, quantization)
+    slices = [tensor_parallel.slice_entry(e) for e in entries]
+    local = [tensor_parallel.rank_chunk(c, e) for c, e in zip(chunks, entries)]
+
+    def regather(values):
+      wire = collectives.gather_from_secondary(values[0], self.shard_axes)
+      return collectives.unpack_wire(wire, local, slices, self.n, quantization)
+    return tensor_parallel.nested(regather, entries, self.tensor_axis, "none", "natural",
+                                  ranked_in=1)([secondary])
+
+  def scatter_bucket(self, b, grads, entries):
+    """-> this device's chunks of a bucket's gradients (natural-shaped `grads`, in the
+    reduce dtype), reduce-scattered and averaged over the devices."""
+    members = self.members[b]
+
+    def scatter(grads, entries=entries):
+      return collectives.reduce_scatter_bucket(grads, entries, self.n, self.storage_axes,
+                                               self.wire_dtype(members[0]), self.mean_over,
+                                               self.reduce_quantization(b))
+    if not self.tensor_axis:
+      return scatter(grads)
+    slices = [tensor_parallel.slice_entry(e) for e in entries]
+    return tensor_parallel.nested(lambda g: scatter(g, slices), entries, self.tensor_axis,
+                                  "natural", "storage")(grads)
+
   def run(self, shard_leaves, batch, extra):
     """-> ((mean loss, new extra averaged over devices), local gradient shards)."""
     if self.s.config.fold_rng_keys:  # device d draws from fold_in(key, d), on any N
@@ -295,71 +357,23 @@ class _State:
         secondary, _ = lax.optimization_barrier((secondary, self.anchor))
       chunks = [jax.ShapeDtypeStruct(x.shape, self.dp.compute_dtype(i))  # (for unpacking)
                 for i, x in zip(members, chunks)]
-      if self.dp.tensor_axis:
-        self.gathered.update(zip(members, self._regather_slices(b, secondary, chunks,
+      self.gathered.update(zip(members, self.dp.regather_bucket(b, secondary, chunks,
                                                                 entries)))
-        return
-      wire = collectives.gather_from_secondary(secondary, self.dp.shard_axes)
-    else:
-      if self.anchor is not None:
-        chunks, _ = lax.optimization_barrier((chunks, self.anchor))
-      # offload_params: each shard comes from the host here, where the schedule gathers
-      chunks = [offload.on_device(x).astype(self.dp.compute_dtype(i))
-                for i, x in zip(members, chunks)]
-      if self.dp.tensor_axis:  # on every device's TP slices (tensor_parallel.py)
-        self.gathered.update(zip(members, self._gather_slices(b, phase, chunks, entries)))
-        return
-      wire, _ = collectives.gather_wire(chunks, self.dp.gather_axes(phase),
-                                        self.dp.gather_quantization(b, phase))
-      if self.dp.secondary_partition:
-        self.wires[b] = wire
-    values = collectives.unpack_wire(wire, chunks, entries, self.dp.n,
-                                     self.dp.gather_quantization(b, phase))
+      return
+    if self.anchor is not None:
+      chunks, _ = lax.optimization_barrier((chunks, self.anchor))
+    # offload_params: each shard comes from the host here, where the schedule gathers
+    chunks = [offload.on_device(x).astype(self.dp.compute_dtype(i))
+              for i, x in zip(members, chunks)]
+    values, wire = self.dp.gather_bucket(b, phase, chunks, entries,
+                                         keep_wire=self.dp.secondary_partition)
+    if self.dp.secondary_partition:
+      self.wires[b] = wire
     self.gathered.update(zip(members, values))
 
-  def _gather_slices(self, b, phase, chunks, entries):
-    """A bucket's gather under tensor parallelism: manual over the tensor axis too, so that
-    each device gathers its own TP slices over the data axes; the parameters come out
-    natural-shaped, split over the tensor axis on their tensor dimension."""
-    slices = [tensor_parallel.slice_entry(e) for e in entries]
-    quantization = self.dp.gather_quantization(b, phase)
-    keep_wire = self.dp.secondary_partition  # hpZ: each tensor rank's wire, for its secondary
-
-    def gather(local):
-      wire, _ = collectives.gather_wire(local, self.dp.gather_axes(phase), quantization)
-      values = collectives.unpack_wire(wire, local, slices, self.dp.n, quantization)
-      return values + [wire] if keep_wire else values
-    out = tensor_parallel.nested(gather, entries, self.dp.tensor_axis, "storage", "natural",
-                                 ranked_out=int(keep_wire))(chunks)
-    if keep_wire:
-      self.wires[b] = out.pop()
-    return out
-
-  def _regather_slices(self, b, secondary, chunks, entries):
-    """hpZ's backward gather under tensor parallelism: each tensor rank's secondary (its
-    own TP slices) gathered over the shard axes; the parameters come out as from
-    _gather_slices."""
-    slices = [tensor_parallel.slice_entry(e) for e in entries]
-    quantization = self.dp.gather_quantization(b, "backward")
-    local = [jax.ShapeDtypeStruct(tuple(c.shape[1:]) if e.tensor_dim is not None else c.shape,
-                                  c.dtype) for c, e in zip(chunks, entries)]
-
-    def regather(values):
-      wire = collectives.gather_from_secondary(values[0], self.dp.shard_axes)
-      return collectives.unpack_wire(wire, local, slices, self.dp.n, quantization)
-    return tensor_parallel.nested(regather, entries, self.dp.tensor_axis, "none", "natural",
-                                  ranked_in=1)([secondary])
-
   def keep_secondary(self, b):
-    rows = functools.partial(collectives.secondary_rows, replicas=self.dp.s.replicas,
-                             shard_axes=self.dp.shard_axes)
-    if self.dp.tensor_axis:  # each tensor rank's rows of its own wire
-      entries = [self.dp.s.params[i] for i in self.dp.members[b]]
-      secondary, = tensor_parallel.nested(lambda w: [rows(w[0])], entries,
-                                          self.dp.tensor_axis, "none", "none", ranked_in=1,
-                                          ranked_out=1)([self.wires[b]])
-    else:
-      secondary = rows(self.wires[b])
+    entries = [self.dp.s.params[i] for i in self.dp.members[b]]
+    secondary = self.dp.secondary_of(self.wires[b], entries)
     # sliced before the bucket's parameters are used: else XLA may slice just before the
     # backward re-gather and keep the whole gathered wire alive through the forward pass
     members = [i for i in self.dp.members[b] if i in self.gathered]
@@ -381,18 +395,7 @@ class _State:
     grads = [self.full_grads.pop(i, None) for i in members]
     grads = [jnp.zeros(e.shape, self.dp.reduce_dtype(i)) if g is None else
              g.astype(self.dp.reduce_dtype(i)) for i, g, e in zip(members, grads, entries)]
-    def scatter(grads, entries=entries):
-      return collectives.reduce_scatter_bucket(grads, entries, self.dp.n,
-                                               self.dp.storage_axes,
-                                               self.dp.wire_dtype(members[0]),
-                                               self.dp.mean_over, self.dp.reduce_quantization(b))
-    if self.dp.tensor_axis:  # each device reduce-scatters its TP slices (see gather)
-      slices = [tensor_parallel.slice_entry(e) for e in entries]
-      chunks = tensor_parallel.nested(lambda g: scatter(g, slices), entries,
-                                      self.dp.tensor_axis, "natural", "storage")(grads)
-    else:
-      chunks = scatter(grads)
-    for i, chunk in zip(members, chunks):
+    for i, chunk in zip(members, self.dp.scatter_bucket(b, grads, entries)):
       self.add_shard_grad(self.dp.storage_of[i], chunk)
 
   def add_shard_grad(self, k, chunk):

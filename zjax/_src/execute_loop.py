@@ -26,7 +26,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 from jax import lax
 
-from zjax._src import collectives, ir, layout, loops, offload, quantize
+from zjax._src import ir, layout, loops, offload, quantize, tensor_parallel
 from zjax._src import segments as seg_lib
 from zjax._src.errors import ScheduleMismatchError
 
@@ -148,31 +148,35 @@ class Loop:
     for b in self.buckets if buckets is None else buckets:
       members = self.dp.members[b]
       entries = [layout.layer_entry(self.dp.s.params[i]) for i in members]
-      quantization = self.dp.gather_quantization(b, phase)
       if from_secondary:
-        wire = collectives.gather_from_secondary(secondary[b], self.dp.shard_axes)
         chunks = [jax.ShapeDtypeStruct(shard_rows[i].shape, self.dp.compute_dtype(i))
                   for i in members]  # (for unpacking; nothing moves from the host)
+        values = self.dp.regather_bucket(b, secondary[b], chunks, entries)
       else:  # offload_params: the layer's rows come from the host here
         chunks = [offload.on_device(shard_rows[i]).astype(self.dp.compute_dtype(i))
                   for i in members]
-        wire, _ = collectives.gather_wire(chunks, self.dp.gather_axes(phase), quantization)
+        values, wire = self.dp.gather_bucket(b, phase, chunks, entries,
+                                             keep_wire=b in self.secondary)
         if b in self.secondary:
-          kept[b] = collectives.secondary_rows(wire, self.dp.s.replicas, self.dp.shard_axes)
-      layers.update(zip(members, collectives.unpack_wire(wire, chunks, entries, self.dp.n,
-                                                         quantization)))
+          kept[b] = self.dp.secondary_of(wire, entries)
+      layers.update(zip(members, values))
     return layers, kept
 
   def secondary_stacks(self, shards: dict) -> dict:
-    """bucket -> zeros for every layer's secondary shard [L, R, W] (W: the wire length)."""
+    """bucket -> zeros for every layer's secondary shard [L, (T,) R, W] (W: the wire
+    length; under tensor parallelism one per tensor rank)."""
     out = {}
     for b in self.secondary:
-      rows = [jax.ShapeDtypeStruct(shards[i].shape[1:], self.dp.compute_dtype(i))
-              for i in self.dp.members[b]]
+      members = self.dp.members[b]
+      rows = [tensor_parallel.rank_chunk(
+          jax.ShapeDtypeStruct(shards[i].shape[1:], self.dp.compute_dtype(i)),
+          layout.layer_entry(self.dp.s.params[i])) for i in members]
       quantization = self.dp.gather_quantization(b, "forward")
       wire = jax.eval_shape(lambda r: layout.to_wire(jnp.concatenate(r)) if quantization is None
                             else quantize.pack(jnp.concatenate(r), quantization), rows)
-      out[b] = jnp.zeros((self.length, self.dp.s.replicas, wire.shape[0]), wire.dtype)
+      ranks = (self.dp.s.tensor_sizes[0],) if self.dp.tensor_axis else ()
+      out[b] = jnp.zeros((self.length,) + ranks + (self.dp.s.replicas, wire.shape[0]),
+                         wire.dtype)
     return out
 
   def scatter_layer(self, layer_grads: dict, buckets=None) -> dict:
@@ -186,10 +190,7 @@ class Loop:
       entries = [layout.layer_entry(self.dp.s.params[i]) for i in members]
       grads = [layer_grads[i].astype(self.dp.reduce_dtype(i)) if i in layer_grads else
                jnp.zeros(e.shape, self.dp.reduce_dtype(i)) for i, e in zip(members, entries)]
-      chunks = collectives.reduce_scatter_bucket(
-          grads, entries, self.dp.n, self.dp.storage_axes, self.dp.wire_dtype(members[0]),
-          self.dp.mean_over, self.dp.reduce_quantization(b))
-      out.update(zip(members, chunks))
+      out.update(zip(members, self.dp.scatter_bucket(b, grads, entries)))
     return out
 
   # ---- forward ---------------------------------------------------------------------------

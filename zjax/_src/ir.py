@@ -150,8 +150,13 @@ def storage_leaves(params) -> tuple[StorageLeaf, ...]:
 def stacked_entry(first: ParamEntry, length: int) -> ParamEntry:
   """How a rolled stack of `length` layers like `first` is stored: as a scanned parameter
   [L, *shape] would be (sharded per layer row), or replicated whole if persistent."""
+  # a tensor dim counts from the dimensions one gather makes whole (`layer_shape`): the
+  # layer's when sharded, the whole stack's when persistent (stored natural)
+  tensor_dim = first.tensor_dim
+  if first.persistent and tensor_dim is not None:
+    tensor_dim += 1
   return dataclasses.replace(first, shape=(length,) + tuple(first.shape), uses=(),
-                             stacked=not first.persistent)
+                             stacked=not first.persistent, tensor_dim=tensor_dim)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -65,20 +65,22 @@ def storage_spec(entry, axis, tensor_axis=None) -> P:
   tp = tensor_axis if entry.tensor_dim is not None else None
   if entry.persistent:
     return tensor_parallel.tp_spec(entry, tp) if tp else P()
-  if entry.tensor_dim is not None:  # [T, padded slice]
-    return P(tp, axis)
-  return P(None, axis) if entry.stacked else P(axis)
+  layers = (None,) if entry.stacked else ()
+  if entry.tensor_dim is not None:  # [T, padded slice] ([L, T, padded slice] if stacked)
+    return P(*layers, tp, axis)
+  return P(*layers, axis)
 
 
 def storage_shape(entry, num_devices: int) -> tuple[int, ...]:
   """Shape of a leaf in the sharded layout: natural if persistent, flat and padded if
-  sharded, [layers, padded layer] if stacked."""
+  sharded, [layers, padded layer] if stacked; a tensor-parallel one has its T slices as
+  rows before the flat dimension ([T, padded slice], [L, T, padded slice])."""
   if entry.persistent:
     return tuple(entry.shape)
   padded = ir.padded_size(entry.slice_size, num_devices)
-  if entry.tensor_dim is not None:
-    return (entry.tensor_size, padded)
-  return (entry.shape[0], padded) if entry.stacked else (padded,)
+  layers = (entry.shape[0],) if entry.stacked else ()
+  slices = (entry.tensor_size,) if entry.tensor_dim is not None else ()
+  return layers + slices + (padded,)
 
 
 def local_shape(entry, num_devices: int) -> tuple[int, ...]:
@@ -99,8 +101,9 @@ def storage_from_natural(x, entry, num_devices: int, xp=jnp):
   if entry.persistent:
     return x
   pad = ir.padded_size(entry.slice_size, num_devices) - entry.slice_size
-  if entry.tensor_dim is not None:  # row t: TP slice t, flat
-    return xp.pad(tp_rows(x, entry, xp), ((0, 0), (0, pad)))
+  if entry.tensor_dim is not None:  # row t: TP slice t, flat (per layer if stacked)
+    rows = tp_rows(x, entry, xp)
+    return xp.pad(rows, ((0, 0),) * (rows.ndim - 1) + ((0, pad),))
   if entry.stacked:
     return xp.pad(xp.reshape(x, (entry.shape[0], -1)), ((0, 0), (0, pad)))
   return xp.pad(xp.ravel(x), (0, pad))
@@ -111,7 +114,7 @@ def natural_from_storage(x, entry):
   if entry.persistent:
     return x
   if entry.tensor_dim is not None:
-    return natural_from_tp_rows(x[:, :entry.slice_size], entry)
+    return natural_from_tp_rows(x[..., :entry.slice_size], entry)
   if entry.stacked:
     return x[:, :entry.layer_size].reshape(entry.shape)
   return x[:entry.size].reshape(entry.shape)
@@ -119,17 +122,18 @@ def natural_from_storage(x, entry):
 
 def tp_rows(x, entry, xp=jnp):
   """A natural tensor-parallel leaf as [T, slice size]: row t is slice t along its tensor
-  dimension, flat."""
-  d, t, shape = entry.tensor_dim, entry.tensor_size, tuple(entry.shape)
+  dimension, flat; a stacked one as [L, T, slice size], per layer."""
+  lead = 1 if entry.stacked else 0  # the tensor dim counts from the layer's dimensions
+  d, t, shape = entry.tensor_dim + lead, entry.tensor_size, tuple(entry.shape)
   split = xp.reshape(x, shape[:d] + (t, shape[d] // t) + shape[d + 1:])
-  return xp.reshape(xp.moveaxis(split, d, 0), (t, -1))
+  return xp.reshape(xp.moveaxis(split, d, lead), shape[:lead] + (t, -1))
 
 
 def natural_from_tp_rows(rows, entry):
   """Inverse of `tp_rows`: the slices put back side by side along the tensor dimension."""
-  d = entry.tensor_dim
-  slices = rows.reshape((entry.tensor_size,) + entry.slice_shape)
-  return jnp.moveaxis(slices, 0, d).reshape(entry.shape)
+  lead = 1 if entry.stacked else 0
+  slices = rows.reshape(tuple(entry.shape[:lead]) + (entry.tensor_size,) + entry.slice_shape)
+  return jnp.moveaxis(slices, lead, lead + entry.tensor_dim).reshape(entry.shape)
 
 
 def storage_padding(x, entry):
@@ -137,7 +141,7 @@ def storage_padding(x, entry):
   if entry.persistent:
     return x.reshape(-1)[:0]
   if entry.tensor_dim is not None:
-    return x[:, entry.slice_size:].reshape(-1)
+    return x[..., entry.slice_size:].reshape(-1)
   if entry.stacked:
     return x[:, entry.layer_size:].reshape(-1)
   return x[entry.size:]

@@ -24,7 +24,7 @@ from jax._src.interpreters import partial_eval as pe  # JAX's own DCE (as segmen
 
 from zjax._src import ir
 from zjax._src import segments as seg_lib
-from zjax._src.trace import LAYOUT_PRIMITIVES
+from zjax._src.trace import LAYOUT_PRIMITIVES, sub_jaxprs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,6 +312,44 @@ def unused_gathers(runner, body) -> tuple[set[int], set[tuple]]:
   their bucket is not gathered but whose values the results do depend on), by JAX's
   dead-code elimination. The planner drops the first; an edited body with the second is
   wrong (the executor refuses it)."""
+  _, used, gathers, holes = _traced_backward(runner, body)
+  used = iter(used)
+  gather_used = [any([next(used) for _ in runner.members[body[k].bucket]]) for k in gathers]
+  hole_used = [next(used) for _ in holes]
+  return ({k for k, u in zip(gathers, gather_used) if not u},
+          {h for h, u in zip(holes, hole_used) if u})
+
+
+def backward_op_signatures(runner, body) -> set[tuple]:
+  """(primitive, shapes of its operands, its dimension numbers) of every matmul and gather
+  that the backward `body` executes after dead-code elimination, inside nested calls too:
+  a forward op of the layer with the same signature is recomputed there (tensor_comm.py
+  counts its collectives again)."""
+  jaxpr, *_ = _traced_backward(runner, body)
+  return op_signatures(jaxpr)
+
+
+def op_signatures(jaxpr) -> set[tuple]:
+  """`op_signature` of every matmul and gather of `jaxpr`, inside nested calls too."""
+  out = set()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("dot_general", "gather"):
+      out.add(op_signature(eqn))
+    for _, sub, _ in sub_jaxprs(eqn):
+      out |= op_signatures(sub)
+  return out
+
+
+def op_signature(eqn) -> tuple:
+  return (eqn.primitive.name, tuple(tuple(v.aval.shape) for v in eqn.invars),
+          str(eqn.params.get("dimension_numbers")))
+
+
+def _traced_backward(runner, body):
+  """The backward `body` traced on one iteration's abstract values, JAX's dead-code
+  elimination applied: (the pruned jaxpr, whether each gathered weight (per gather step)
+  and each weight read while its bucket is not gathered (`holes`) is used, the gather
+  steps' positions, the holes)."""
   avals = context_avals(runner)
   spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
   member_avals = {runner.gathered[q]: spec(a) for q, a in runner.weight_avals.items()}
@@ -338,14 +376,10 @@ def unused_gathers(runner, body) -> tuple[set[int], set[tuple]]:
       [[member_avals[i] for i in runner.members[body[k].bucket]] for k in gathers],
       [spec(avals[k]) for k in ctx_keys], [spec(avals[k]) for k in ct_keys],
       [member_avals[runner.gathered[q]] for _, _, q in holes])
-  _, used = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
-  used = iter(used)
-  gather_used = [any([next(used) for _ in runner.members[body[k].bucket]]) for k in gathers]
-  for _ in range(len(ctx_keys) + len(ct_keys)):
-    next(used)
-  hole_used = [next(used) for _ in holes]
-  return ({k for k, u in zip(gathers, gather_used) if not u},
-          {h for h, u in zip(holes, hole_used) if u})
+  jaxpr, used = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+  weights = sum(len(runner.members[body[k].bucket]) for k in gathers)
+  skipped = len(ctx_keys) + len(ct_keys)
+  return jaxpr, used[:weights] + used[weights + skipped:], gathers, holes
 
 
 def backward_reads(runner, p, bucket_of_position) -> tuple[int, ...]:

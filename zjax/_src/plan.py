@@ -177,7 +177,7 @@ def _plan_with(trace, config, axis_sizes, frozen, platform, rolling, tensor) -> 
                 if num_devices == 1 or p.size <= config.param_persistence_threshold}
   sharded = {p.index for p in trace.params if p.index not in persistent}
   stacked = loops.stacked_params(trace.program, trace.params, sharded)
-  tensor_parallel.check_not_stacked(trace, tensor, stacked)
+  tensor = tensor_parallel.per_layer(trace, tensor, stacked)
   if rolling is None:
     rolling = _find_rolling(trace, config, persistent, frozen, set(stacked.values()), tensor)
   layers_of = {run.stacked[p][0]: run.stacked[p] for run in rolling.runs
@@ -213,11 +213,12 @@ def _plan_with(trace, config, axis_sizes, frozen, platform, rolling, tensor) -> 
               for *_, members in groups]
   lengths = {b: len(buckets[b].layers) or entries[members[0]].shape[0]
              for b, (*_, members) in enumerate(groups) if buckets[b].stacked}
-  bodies = {}
+  bodies, rolled = {}, []
   for run in rolling.runs:
     k = next(seg.id for seg in segments if seg.start == run.start)
+    rolled.append((run, k))
     bodies[k] = _rolled_body(trace, run, segments[k], buckets, elements, bucket_of,
-                             entries, config, rolling)
+                             entries, config, rolling, tensor.any)
   unread = ({} if config.secondary_partition else  # hpZ: each layer's secondary is dropped
             _scan_unread(trace, segments, stacked, bucket_of, entries, buckets))
   forward, backward = _StepPlanner(segments, elements, buckets, config, lengths,
@@ -229,7 +230,8 @@ def _plan_with(trace, config, axis_sizes, frozen, platform, rolling, tensor) -> 
                   buckets=buckets, segments=segments, forward=forward, backward=backward,
                   rolling=rolling.notes, tensor_sizes=tensor.sizes, notes=trace.notes,
                   tensor_estimate=tuple(tensor_comm.megatron_estimate(
-                      trace, entries, segments, recomputed_lookups)))
+                      trace, entries, segments, recomputed_lookups,
+                      {run.start: (run, bodies[k].backward_ops) for run, k in rolled})))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,18 +244,41 @@ class _RolledBody:
   # a whole-layer loop (no parts): buckets without gradient whose values its backward
   # iteration does not use (an integer leaf's): not re-gathered (XLA would delete them)
   unread: frozenset = frozenset()
+  # under tensor parallelism: signatures of the matmuls and gathers its backward iteration
+  # executes (loop_parts.backward_op_signatures), for the tensor axis's estimate
+  backward_ops: frozenset = frozenset()
 
 
-def _rolled_body(trace, run, seg, buckets, elements, bucket_of, entries, config, rolling):
+def _rolled_body(trace, run, seg, buckets, elements, bucket_of, entries, config, rolling,
+                 tensor_parallel=False):
   """The run's layer planned part by part, as the unrolled planner plans segments (the same
   knobs; what the segments around the loop keep gathered through it counts against
   max_live_parameters). Without parts when one whole layer gathered at once is what that
   plan says (the loop gathers it as one, prefetching the next layer where the knobs allow).
-  Raises _DoNotRoll where the run cannot keep the knobs (the unrolled plan decides)."""
+  Raises _DoNotRoll where the run cannot keep the knobs (the unrolled plan decides).
+  `tensor_parallel`: also find what the backward iteration executes (_RolledBody)."""
+  body = _rolled_body_steps(trace, run, seg, buckets, elements, bucket_of, entries, config,
+                            rolling)
+  if not tensor_parallel:
+    return body
+  runner, stacked = _runner(trace, run, seg, buckets, bucket_of, entries)
+  backward = body.backward if body.parts else loop_parts.whole_layer_backward(
+      runner, [b for b in stacked if b not in body.unread])
+  return dataclasses.replace(body, backward_ops=frozenset(
+      loop_parts.backward_op_signatures(runner, list(backward))))
+
+
+def _runner(trace, run, seg, buckets, bucket_of, entries):
+  """The run's loop_parts.PartRunner, and the loop segment's stacked buckets."""
   stacked = [b for b in seg.buckets if buckets[b].stacked]
   members = {b: [i for i in range(len(entries)) if bucket_of.get(i) == b
                  and trace.params[i].path in buckets[b].params] for b in stacked}
-  runner = loop_parts.part_runner(trace.program, run, members, entries, bucket_of)
+  return loop_parts.part_runner(trace.program, run, members, entries, bucket_of), stacked
+
+
+def _rolled_body_steps(trace, run, seg, buckets, elements, bucket_of, entries, config,
+                       rolling):
+  runner, stacked = _runner(trace, run, seg, buckets, bucket_of, entries)
   position_bucket = {q: bucket_of[i] for q, i in runner.gathered.items()}
   parts = tuple(ir.Segment(
       id=p, start=run.start + io.start, end=run.start + io.end,
@@ -359,10 +384,7 @@ def _find_rolling(trace, config, persistent, frozen, loop_ops, tensor) -> roll.R
   """Runs of identical layers to run as loops (roll.py), unless config.roll_layers is off."""
   if not config.roll_layers:
     return roll.Rolling((), ("layer rolling is off (ZeroConfig.roll_layers=False)",))
-  if tensor.any:
-    return roll.Rolling((), ("layer rolling is off: this version does not roll layers of a "
-                             "tensor-parallel model (the layers run unrolled)",))
-  facts = roll.param_facts(trace.params, persistent, frozen)
+  facts = roll.param_facts(trace.params, persistent, frozen, tensor.dims)
   return roll.find_runs(trace.program, facts, excluded=loop_ops)
 
 

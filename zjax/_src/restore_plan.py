@@ -214,10 +214,13 @@ def _conversion(leaf, entry, target):
   sharding, shape = target.sharding, tuple(target.shape)
   stored_stacked, replicated = len(leaf.stored) == 2, NamedSharding(sharding.mesh, P())
   spec = tuple(sharding.spec)
+  if entry.tensor_dim is not None and not entry.persistent:  # natural, flat (rows if stacked)
+    if stored_stacked:
+      return ((entry.shape[0], entry.layer_size), replicated, ("tensor", entry, shape, spec),
+              entry.layer_size)
+    return (entry.size,), replicated, ("tensor", entry, shape, spec), 0
   if entry.stacked and stored_stacked:
     return shape, sharding, None, entry.layer_size
-  if entry.tensor_dim is not None and not entry.persistent:  # saved flat natural
-    return (entry.size,), replicated, ("tensor", entry, shape, spec), 0
   if not entry.stacked and not stored_stacked:
     if entry.persistent:
       return (entry.size,), replicated, ("natural", tuple(entry.shape), spec), 0
@@ -282,11 +285,11 @@ def _convert(xs, conversion, mesh):
   kind = conversion[0]
   if kind in ("rows", "naturals"):
     return _regrouped(xs, conversion, mesh)
-  if kind == "tensor":  # natural values -> [T, padded slice] rows
+  if kind == "tensor":  # natural values -> [T, padded slice] rows ([L, T, ...] if stacked)
     _, entry, shape, spec = conversion
     rows = layout.tp_rows(xs[0].reshape(entry.shape), entry)
-    return layout.place(jnp.pad(rows, ((0, 0), (0, shape[1] - rows.shape[1]))), mesh,
-                        P(*spec))
+    pad = ((0, 0),) * (rows.ndim - 1) + ((0, shape[-1] - rows.shape[-1]),)
+    return layout.place(jnp.pad(rows, pad), mesh, P(*spec))
   x, (_, shape, spec) = xs[0], conversion
   if kind == "natural":  # -> persistent
     return x.reshape(shape)

@@ -37,16 +37,20 @@ class ParamFacts:
   kind: tuple  # (shape, dtype, persistent, frozen): layers must agree on it
 
 
-def param_facts(params, persistent, frozen) -> list[ParamFacts]:
+def param_facts(params, persistent, frozen, tensor_dims=None) -> list[ParamFacts]:
   """Facts of traced parameters (trace.ParamInfo) or schedule entries (ir.ParamEntry):
-  `persistent` and `frozen` are index sets, or None to read the entries' own flags."""
+  `persistent` and `frozen` are index sets, and `tensor_dims` the dimension each parameter
+  splits over the tensor axis (None: none), or all None to read the entries' own fields."""
   out = []
   for i, p in enumerate(params):
     dtype = p.dtype if isinstance(p.dtype, str) else p.dtype.name
     is_persistent = p.persistent if persistent is None else i in persistent
     is_frozen = p.frozen if frozen is None else i in frozen
+    tensor_dim = (getattr(p, "tensor_dim", None) if persistent is None else
+                  None if tensor_dims is None else tensor_dims[i])
     uses = tuple(u if isinstance(u, int) else u.op for u in p.uses)
-    out.append(ParamFacts(p.path, uses, (tuple(p.shape), dtype, is_persistent, is_frozen)))
+    out.append(ParamFacts(p.path, uses, (tuple(p.shape), dtype, is_persistent, is_frozen,
+                                         tensor_dim)))
   return out
 
 
@@ -407,7 +411,7 @@ class _Wiring:
     facts, first = self.f.params[i], self.f.params[i0]
     if facts.kind != first.kind:
       return (f"its parameter {facts.path} differs from {first.path} in shape, dtype, "
-              f"persistence or frozen flag")
+              f"persistence, frozen flag or tensor-parallel split")
     if i == i0:
       return ""  # shared by every layer so far: a const
     block = range(self.start + layer * self.block, self.start + (layer + 1) * self.block)

@@ -70,14 +70,23 @@ def resolve(params, config, mesh, axis_sizes, tensor_specs, logical_axis_rules
   return TensorParallel(sizes=(size,), dims=tuple(dims))
 
 
-def check_not_stacked(trace, tensor: TensorParallel, stacked: dict) -> None:
-  """This version gathers a scanned (stacked) parameter's layers without tensor slices."""
+def per_layer(trace, tensor: TensorParallel, stacked: dict) -> TensorParallel:
+  """The tensor dims with those of scanned (stacked) parameters counted from one layer's
+  dimensions (what a loop gathers: ir.ParamEntry.layer_shape); their layer axis itself may
+  not be split."""
+  if not tensor.any or not stacked:
+    return tensor
+  dims = list(tensor.dims)
   for i in stacked:
-    if tensor.dim(i) is not None:
+    if dims[i] == 0:
       raise ZjaxError(f"Parameter {trace.params[i].path} is stacked along a scanned layer "
-                      f"axis (nn.scan / lax.scan) and split over the tensor axis; this "
-                      f"version does not combine the two. Unroll the layers (a Python loop; "
-                      f"they run unrolled under tensor parallelism) or leave it replicated.")
+                      f"axis (nn.scan / lax.scan), and that axis (dim 0) is split over the "
+                      f"tensor axis: split a dimension of the layer instead (name the "
+                      f"scan axis, e.g. nn.scan(..., metadata_params={{nn.PARTITION_NAME: "
+                      f"'layers'}}), and leave 'layers' out of the rules).")
+    if dims[i] is not None:
+      dims[i] -= 1
+  return dataclasses.replace(tensor, dims=tuple(dims))
 
 
 def tp_spec(entry, tensor_axis) -> P:
@@ -125,3 +134,10 @@ def slice_entry(entry):
     return entry
   return dataclasses.replace(entry, shape=entry.slice_shape, tensor_dim=None, tensor_size=1)
 
+
+
+def rank_chunk(chunk, entry):
+  """The shape of one tensor rank's part of a storage chunk (a tensor-parallel entry's
+  [T, c] chunk: its row [c]; any other entry's chunk is the same on every rank)."""
+  shape = tuple(chunk.shape)[1:] if entry.tensor_dim is not None else tuple(chunk.shape)
+  return jax.ShapeDtypeStruct(shape, chunk.dtype)

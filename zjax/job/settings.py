@@ -98,9 +98,6 @@ class TrainSettings:
       raise SettingsError(f"tensor_parallel {t} does not divide {VOCAB_MULTIPLE}, the "
                           f"multiple the vocab is padded to: use 2, 4, 8, ... up to "
                           f"{VOCAB_MULTIPLE}.")
-    if self.scan:
-      raise SettingsError("--scan with --tensor-parallel: this version does not scan "
-                          "tensor-parallel layers; drop --scan (the blocks run unrolled).")
 
   @property
   def checkpoint_dir(self) -> pathlib.Path:

@@ -125,7 +125,8 @@ class GPT(nn.Module):
     x = (embed(tokens) + pos[:tokens.shape[1]]).astype(cfg.dtype)
     if cfg.scan_layers:
       stack = nn.scan(ScanBlock, variable_axes={"params": 0}, split_rngs={"params": True},
-                      length=cfg.n_layer)
+                      length=cfg.n_layer,  # the stacked axis's logical name (MaxText's):
+                      metadata_params={nn.PARTITION_NAME: "layers"})
       x, _ = stack(cfg, name="layers")(x, None)
     else:
       block = nn.remat(Block) if cfg.remat else Block
