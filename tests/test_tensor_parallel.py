@@ -332,7 +332,8 @@ def test_trains_like_optax_and_checkpoints_across_tensor_sizes(tmp_path):
   ckpt.close()
   exported = zjax.export_params(tmp_path / "tp")
   jax.tree.map(np.testing.assert_array_equal, exported, trained)
-  targets = [("fsdp2_tensor4", {}), ("replica2_fsdp2_tensor2", {}),
+  targets = [("fsdp2_tensor4", {}), ("fsdp2_tensor4", {"roll_layers": False}),
+             ("replica2_fsdp2_tensor2", {}),
              ("replica2_fsdp2_tensor2", {"secondary_partition": True}), (None, {})]
   for name, layout_kw in targets:
     if name is None:  # (8,) without tensor parallelism
@@ -550,10 +551,12 @@ def test_nnx_gqa_decoder_of_the_real_models(name):
                            megatron_layout=False)
 
 
-@pytest.mark.parametrize("layout", [{}, HPZ], ids=["hsdp", "hpz"])
+@pytest.mark.parametrize("layout", [{}, HPZ, {"roll_layers": False}],
+                         ids=["hsdp", "hpz", "hsdp_unrolled"])
 def test_accumulation_and_clipping_train_like_optax(layout):
   """2 micro-batches per step (each reduce-scattered, as ZeRO-3 does), global-norm
-  clipping with each element of a split leaf counted once; HSDP and hpZ."""
+  clipping with each element of a split leaf counted once; HSDP and hpZ, rolled (the
+  default) and unrolled."""
   mesh, params, schedule = setup("replica2_fsdp2_tensor2",
                                  {"param_persistence_threshold": 8, **layout})
   optimizer = optax.chain(optax.clip_by_global_norm(0.3), optax.adamw(1e-2))
@@ -563,10 +566,12 @@ def test_accumulation_and_clipping_train_like_optax(layout):
   assert_trees_close(jax.device_get(trainer.gather_params(state)), ref, rtol=1e-5, atol=1e-6)
 
 
-def test_offloaded_training_is_bitwise_the_device_run():
+@pytest.mark.parametrize("roll", [True, False], ids=["rolled", "unrolled"])
+def test_offloaded_training_is_bitwise_the_device_run(roll):
   """offload_optimizer + offload_params with TP leaves: the masters, the adam moments and
   the parameter copies in host memory, 5 steps bitwise equal to the run on the device."""
-  mesh, params, schedule = setup("fsdp4_tensor2", {"param_persistence_threshold": 8})
+  mesh, params, schedule = setup("fsdp4_tensor2", {"param_persistence_threshold": 8,
+                                                   "roll_layers": roll})
   optimizer = optax.adamw(1e-2)
   runs = []
   for offload in (False, True):
