@@ -187,6 +187,7 @@ def test_scanned_layers_store_and_gather_each_layers_slices(name):
   t = mesh.shape["tensor"]
   w1 = next(p for p in schedule.params if p.path == "['w1']")
   assert w1.stacked and w1.tensor_dim == 1  # counted from the layer's dims
+  assert zjax.Schedule.from_json(schedule.to_json()) == schedule  # (its file checks that)
   assert layout.storage_shape(w1, schedule.num_devices) == (
       2, t, ir_padded(D * F_FOR_T4 // t, schedule.num_devices))
   step, sharded = step_matches_reference(scanned_mlp_loss, schedule, mesh, params, BATCH)

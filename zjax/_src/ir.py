@@ -68,8 +68,9 @@ class ParamEntry:
   stack: str = ""
   layer: int = 0
   # Tensor parallelism: the dimension split over the tensor axis (None: replicated over
-  # it) and that axis's size T. Each device works on the TP slice (that dimension / T);
-  # sharded storage holds every slice flat and padded over the data axes, [T, padded].
+  # it), counted in `layer_shape` (a stacked leaf's: of one layer), and that axis's size T.
+  # Each device works on the TP slice (that dimension / T); sharded storage holds every
+  # slice flat and padded over the data axes, [T, padded] ([L, T, padded] if stacked).
   tensor_dim: int | None = None
   tensor_size: int = 1
 

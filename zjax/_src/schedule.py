@@ -333,11 +333,13 @@ def _parse_param(p, i) -> ir.ParamEntry:
   where = f"params[{i}]"
   _expect(isinstance(p, dict), f"{where} must be an object")
   entry = _param_entry(p, where)
-  if entry.tensor_dim is not None:  # tensor parallelism: a dim that splits evenly
-    _expect(0 <= entry.tensor_dim < len(entry.shape) and entry.tensor_size >= 1 and
-            entry.shape[entry.tensor_dim] % entry.tensor_size == 0,
-            f"{where} ({entry.path}): tensor_dim {entry.tensor_dim} of shape "
-            f"{list(entry.shape)} does not split into {entry.tensor_size} slices")
+  if entry.tensor_dim is not None:  # tensor parallelism: a dim (of a layer, if stacked)
+    layer = entry.layer_shape       # that splits evenly
+    _expect(0 <= entry.tensor_dim < len(layer) and entry.tensor_size >= 1 and
+            layer[entry.tensor_dim] % entry.tensor_size == 0,
+            f"{where} ({entry.path}): tensor_dim {entry.tensor_dim} of "
+            f"{'one layer of shape' if entry.stacked else 'shape'} {list(layer)} does not "
+            f"split into {entry.tensor_size} slices")
   return entry
 
 
