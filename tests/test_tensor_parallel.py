@@ -236,6 +236,24 @@ def test_scanned_checkpoints_across_tensor_sizes_and_bad_specs(tmp_path):
                           config=schedule.config, tensor_specs=[("w1", P("tensor"))])
 
 
+@pytest.mark.parametrize("name", ["fsdp4_tensor2", "fsdp2_tensor4"])
+def test_persistent_tensor_parallel_leaves_of_rolled_layers(name):
+  """b1 and ln under param_persistence_threshold: each rolled stack of them is stored whole
+  over the data axes, b1's split over the tensor axis on its own dimension (dim 1 of the
+  stack), and read by the loop one layer at a time."""
+  mesh, params, schedule = setup(name, {"param_persistence_threshold": 30})
+  assert rolled_lengths(schedule) == [2]
+  t = mesh.shape["tensor"]
+  b1 = next(leaf for leaf in schedule.storage if leaf.path == "['l0']['b1']")
+  assert b1.entry.persistent and b1.entry.tensor_dim == 1 and b1.entry.shape[0] == 2
+  assert layout.storage_specs(schedule)[schedule.storage.index(b1)] == P(None, "tensor")
+  step, sharded = step_matches_reference(mlp_loss, schedule, mesh, params, BATCH)
+  width = params["l0"]["b1"].shape[0]
+  assert sharded["l0"]["b1"].sharding.shard_shape(sharded["l0"]["b1"].shape) == (2, width // t)
+  assert zjax.per_device_bytes(sharded) == schedule.report()["state_bytes_per_device"]
+  assert_report_equals_hlo(step, (sharded, BATCH), mesh, schedule)
+
+
 def test_pytree_specs_plan_as_the_rules():
   mesh, params, by_rules = setup("fsdp4_tensor2")
   specs = jax.tree_util.tree_map_with_path(

@@ -34,7 +34,7 @@ class ParamFacts:
   """What rolling needs to know about one parameter leaf."""
   path: str
   uses: tuple[int, ...]  # op numbers
-  kind: tuple  # (shape, dtype, persistent, frozen): layers must agree on it
+  kind: tuple  # (shape, dtype, persistent, frozen, tensor dim): layers must agree on it
 
 
 def param_facts(params, persistent, frozen, tensor_dims=None) -> list[ParamFacts]:

@@ -134,8 +134,6 @@ def slice_entry(entry):
     return entry
   return dataclasses.replace(entry, shape=entry.slice_shape, tensor_dim=None, tensor_size=1)
 
-
-
 def rank_chunk(chunk, entry):
   """The shape of one tensor rank's part of a storage chunk (a tensor-parallel entry's
   [T, c] chunk: its row [c]; any other entry's chunk is the same on every rank)."""
