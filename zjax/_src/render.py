@@ -125,7 +125,8 @@ def render_param_table(trace, s) -> str:
     layout = "replicated" if entry.persistent else f"sharded 1/{s.num_devices}" + (
         " per layer" if entry.stacked else "")
     if entry.tensor_dim is not None:  # tensor parallelism: which dim, over which axis
-      layout += f", dim {entry.tensor_dim} over {s.config.tensor_axes[0]}"
+      of = " of each layer" if entry.stacked else ""  # (a stack's: counted in one layer)
+      layout += f", dim {entry.tensor_dim}{of} over {s.config.tensor_axes[0]}"
     uses = "; ".join(f"op {u.op} {u.primitive}" + (f" in {u.context}" if u.context else "")
                      for u in p.uses) or "-"
     notes = _notes(p) + ("; frozen" if entry.frozen else "")
