@@ -351,6 +351,11 @@ def test_trains_like_optax_and_checkpoints_across_tensor_sizes(tmp_path):
                                 BATCH, 5)
   trained = jax.device_get(trainer.gather_params(state))
   assert_trees_close(trained, ref, rtol=1e-5, atol=1e-6)
+  # memory: the parameters are the report's state (1/(S*T) of each TP leaf, persistent ones
+  # whole over the data axes), adam's moments twice that (plus its step counters)
+  param_bytes = zjax.per_device_bytes(state.params)
+  assert param_bytes == schedule.report()["state_bytes_per_device"]
+  assert zjax.per_device_bytes(state.opt_state) in range(2 * param_bytes, 2 * param_bytes + 64)
 
   ckpt = zjax.CheckpointManager(tmp_path / "tp", trainer)
   ckpt.save(5, state)
