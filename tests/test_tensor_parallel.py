@@ -261,6 +261,27 @@ def test_persistent_tensor_parallel_leaves_of_rolled_layers(name):
   assert_report_equals_hlo(step, (sharded, BATCH), mesh, schedule)
 
 
+@pytest.mark.parametrize("scanned", [False, True], ids=["rolled", "scanned"])
+def test_explicit_data_axes_beside_an_auto_tensor_axis(scanned):
+  """Data axes may be Explicit (jax.make_mesh's default) while the tensor axis is Auto:
+  parity, report == HLO, and 3 adamw steps equal optax."""
+  mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"),
+                       axis_types=(AxisType.Explicit, AxisType.Auto))
+  loss_fn = scanned_mlp_loss if scanned else mlp_loss
+  params = scanned_mlp_params(F) if scanned else mlp_params()
+  schedule = zjax.compile_schedule(loss_fn, params, BATCH, mesh=mesh,
+                                   config=data_config("fsdp4_tensor2",
+                                                      param_persistence_threshold=8),
+                                   tensor_specs=SCAN_RULES if scanned else RULES)
+  step, sharded = step_matches_reference(loss_fn, schedule, mesh, params, BATCH)
+  assert_report_equals_hlo(step, (sharded, BATCH), mesh, schedule)
+  optimizer = optax.adamw(1e-2)
+  trainer = zjax.zero3(loss_fn, optimizer, schedule, mesh=mesh)
+  state, ref = steps_like_optax(trainer, trainer.init(params), loss_fn, optimizer, params,
+                                BATCH, 3)
+  assert_trees_close(jax.device_get(trainer.gather_params(state)), ref, rtol=1e-5, atol=1e-6)
+
+
 def test_pytree_specs_plan_as_the_rules():
   mesh, params, by_rules = setup("fsdp4_tensor2")
   specs = jax.tree_util.tree_map_with_path(

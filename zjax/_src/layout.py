@@ -223,11 +223,31 @@ def _key(match):
 
 
 def place(x, mesh, spec):
-  """Constrain `x` (inside jit) to NamedSharding(mesh, spec), on Explicit or Auto meshes."""
+  """Constrain `x` (inside jit) to NamedSharding(mesh, spec), on Explicit or Auto meshes, or
+  a mix (tensor parallelism: Explicit data axes, an Auto tensor axis): the Explicit axes by
+  resharding (they are in the array's type), then the Auto ones by a constraint."""
   sharding = NamedSharding(mesh, spec)
   axes = _spec_axes(spec) or mesh.axis_names  # replicated: resharding matters on any axis
-  explicit = any(mesh.axis_types[mesh.axis_names.index(a)] == AxisType.Explicit for a in axes)
-  return jax.reshard(x, sharding) if explicit else jax.lax.with_sharding_constraint(x, sharding)
+  kinds = {mesh.axis_types[mesh.axis_names.index(a)] == AxisType.Explicit for a in axes}
+  if kinds == {True}:
+    return jax.reshard(x, sharding)
+  if kinds == {False}:
+    return jax.lax.with_sharding_constraint(x, sharding)
+  explicit = {a for a in mesh.axis_names
+              if mesh.axis_types[mesh.axis_names.index(a)] == AxisType.Explicit}
+  x = jax.reshard(x, NamedSharding(mesh, _only(spec, lambda a: a in explicit, None)))
+  return jax.lax.with_sharding_constraint(x, NamedSharding(
+      mesh, _only(spec, lambda a: a not in explicit, P.UNCONSTRAINED)))
+
+
+def _only(spec, keep, other) -> P:
+  """`spec` with each dimension's axes filtered by `keep`; `other` where none is left."""
+  out = []
+  for part in spec:
+    names = tuple(a for a in (part if isinstance(part, tuple) else (part,))
+                  if a is not None and keep(a))
+    out.append(other if not names else names[0] if len(names) == 1 else names)
+  return P(*out)
 
 
 def shard(params: Any, schedule, mesh) -> Any:
