@@ -508,14 +508,18 @@ def assert_estimate_near_hlo(text, mesh, schedule, megatron_layout):
 def annotated_gpt(scan_layers=False):
   """The GPT example annotated with logical names: a tied, vocab-parallel embedding (257
   ids padded to 258: a TP slice of 129 x 10 = 1290 elements, not a multiple of N = 4),
-  heads and MLP width over tensor."""
-  from zjax.models.gpt import GPT, LOGICAL_AXIS_RULES, GPTConfig, make_loss_fn
-  cfg = GPTConfig(vocab_size=257, vocab_multiple=2, seq_len=8, d_model=10, n_layer=2,
-                  n_head=2, d_ff=20, logical_axes=True, scan_layers=scan_layers)
-  model = GPT(cfg)
+  heads and MLP width over tensor. -> (loss, boxed variables, batch, rules)."""
+  from zjax.models.gpt import LOGICAL_AXIS_RULES, make_loss_fn
+  model = annotated_gpt_model(scan_layers)
   tokens = jnp.asarray(np.random.default_rng(4).integers(0, 257, (8, 9)), jnp.int32)
   return make_loss_fn(model), model.init(jax.random.key(0), tokens[:, :-1]), \
       {"tokens": tokens}, LOGICAL_AXIS_RULES
+
+
+def annotated_gpt_model(scan_layers=False):
+  from zjax.models.gpt import GPT, GPTConfig
+  return GPT(GPTConfig(vocab_size=257, vocab_multiple=2, seq_len=8, d_model=10, n_layer=2,
+                       n_head=2, d_ff=20, logical_axes=True, scan_layers=scan_layers))
 
 
 HPZ = {"secondary_partition": True, "max_reuse_distance": 0}  # backward re-gathers: hpZ's
@@ -550,6 +554,25 @@ def test_annotated_gpt_with_a_vocab_parallel_tied_embedding(name, layout, scan):
   assert_report_equals_hlo(step, (sharded, batch), mesh, schedule)
   if layout.get("secondary_partition"):  # the backward re-gathers each TP slice from its
     assert schedule.report()["all_gather_bytes_by_axis"]["fsdp"] > 0  # secondary, over fsdp
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["rolled", "scanned"])
+def test_init_from_builds_the_tensor_parallel_layout_from_a_boxed_init(scan):
+  """zero3(...).init_from(model.init, ...) of the annotated GPT (boxed params) builds each
+  TP leaf's [T, padded slice] rows (a stack's [L, T, ...]) in one program: the values of
+  init(boxed params) to an ulp (the same random init, computed by another XLA program)."""
+  loss_fn, boxed, batch, rules = annotated_gpt(scan_layers=scan)
+  model = annotated_gpt_model(scan_layers=scan)
+  mesh = auto_mesh((2, 2, 2), ("replica", "fsdp", "tensor"))
+  schedule = zjax.compile_schedule(loss_fn, boxed, batch, mesh=mesh, logical_axis_rules=rules,
+                                   config=data_config("replica2_fsdp2_tensor2",
+                                                      param_persistence_threshold=0))
+  trainer = zjax.zero3(loss_fn, optax.adamw(1e-3), schedule, mesh=mesh)
+  built = trainer.init_from(model.init, jax.random.key(0), batch["tokens"][:, :-1])
+  state = trainer.init(boxed)
+  assert jax.tree.structure(built.params) == jax.tree.structure(state.params)
+  assert_trees_close(jax.device_get(trainer.gather_params(built)),
+                     jax.device_get(trainer.gather_params(state)), rtol=2.5e-7, atol=0)
 
 
 @pytest.mark.parametrize("quantization,roll", [(None, False), ("int8", False), (None, True),
