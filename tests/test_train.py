@@ -68,9 +68,17 @@ def same_batch(batch, steps=10):
 def test_gpt_adamw_10_steps():
   from test_execute import gpt_setup
   loss, params, batch = gpt_setup()
-  # Two plain-JAX runs that differ only by summing the batch in 2 halves already differ by
-  # 9e-6 after these 10 steps (measured); zjax sums in 8 parts: allow 5e-5.
-  _, state, _ = assert_training_parity(loss, ADAMW, params, same_batch(batch), param_atol=5e-5,
+  # Adam amplifies the rounding of near-zero gradients: plain JAX on one device, summing the
+  # batch in 8 parts as zjax's 8 devices do, already ends these 10 steps up to ~1e-4 away
+  # from the full-batch run (measured here, 2026-12-03: 2 parts 8e-6, 4 parts 1.3e-4, 8
+  # parts 9.6e-5; the CPU's code generation moves it). The bound is that measured noise.
+  full, _ = reference_run(loss, ADAMW, params, same_batch(batch))
+  in_parts, _ = reference_run(lambda p, b: sum(loss(p, {"tokens": t}) for t in jnp.split(
+      b["tokens"], 8)) / 8, ADAMW, params, same_batch(batch))
+  noise = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(full),
+                                                             jax.tree.leaves(in_parts)))
+  _, state, _ = assert_training_parity(loss, ADAMW, params, same_batch(batch),
+                                       param_atol=2 * max(noise, 1e-5),
                                        config=zjax.ZeroConfig(param_persistence_threshold=256))
   assert int(state.step) == 10
 
