@@ -21,6 +21,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 import zjax
 from zjax._src import layout
+from zjax._src.hlo import executions
 from zjax._src.errors import TraceError, ZjaxError
 
 from helpers import assert_trees_close, compiles_logged, reference, steps_like_optax
@@ -519,6 +520,12 @@ def assert_report_equals_hlo(step, args, mesh, schedule, megatron_layout=True):
   executed, report = data_axis_bytes(text, mesh), schedule.report()
   for kind in ("all_gather", "reduce_scatter", "all_to_all"):
     assert executed.get(kind, {}) == report[f"{kind}_bytes_by_axis"], kind
+  counts = collections.Counter()  # and in count (a loop body's once per iteration)
+  for c, times in executions(text):
+    if "tensor" not in zjax.hlo.axes_of_groups(c.groups, dict(mesh.shape)):
+      counts[c.kind] += times
+  for kind in ("all_gather", "reduce_scatter", "all_to_all"):
+    assert counts[kind] == report[f"{kind}_count"], (kind, counts[kind], report[f"{kind}_count"])
   assert not storage_over_tensor(text, mesh, schedule)
   assert_estimate_near_hlo(text, mesh, schedule, megatron_layout)
   return text
