@@ -63,6 +63,27 @@ def test_lax_scan_stack_parity(n, config):
              if g.op == "gather")
 
 
+def test_a_scan_reading_a_float_no_parameter_reaches_through_a_while_loop():
+  """The backward differentiates a scan's consts and xs only where they depend on trained
+  parameters: a const from the batch that the body runs through a while_loop (which JAX
+  cannot reverse-differentiate) trains as with jax.value_and_grad, which never asks."""
+  num_layers, d = 3, 16
+  k = jax.random.split(jax.random.key(3), 3)
+  params = {"w": jax.random.normal(k[0], (num_layers, d, d)) / np.sqrt(d)}
+  batch = {"x": jax.random.normal(k[1], (16, d)), "t": jnp.float32(0.9)}
+
+  def loss(p, b):
+    def body(x, w):
+      halved = jax.lax.while_loop(lambda c: c[1] > 0.3, lambda c: (c[0] + 1, c[1] / 2),
+                                  (0, b["t"]))[1]
+      return jnp.tanh(x @ w) * halved + x, None
+    x, _ = jax.lax.scan(body, b["x"], p["w"])
+    return jnp.mean(x ** 2)
+
+  schedule, _ = assert_parity(loss, params, batch, config=PREFETCH)
+  assert [st.length for st in loop_steps(schedule)] == [num_layers, num_layers]
+
+
 def test_reverse_scan_parity():
   assert_parity(*scan_stack(num_layers=3, reverse=True), config=PREFETCH)
 

@@ -207,6 +207,29 @@ def ir_padded(size, n):
   return -(-size // n) * n
 
 
+def test_a_scan_body_with_a_while_loop_on_a_float_no_parameter_reaches():
+  """The tensor-axis estimate traces a scan's backward iteration the way the loop runs it
+  (differentiating only what depends on trained parameters): a while_loop on a float from
+  the batch, which JAX cannot reverse-differentiate, plans and matches the reference."""
+  def loss(p, x):
+    scale = 2.0 + 0.0 * jnp.sum(x)  # from the batch: no gradient
+
+    def layer(h, w):
+      s = jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 0.5),
+                             (0, scale))[1]
+      return h + jax.nn.relu((h * w["ln"] * s) @ w["w1"] + w["b1"]) @ w["w2"], None
+    h, _ = jax.lax.scan(layer, x, p)
+    return jnp.mean(h ** 2)
+
+  mesh = auto_mesh((4, 2), ("fsdp", "tensor"))
+  params = scanned_mlp_params(F)
+  schedule = zjax.compile_schedule(loss, params, BATCH, mesh=mesh, tensor_specs=SCAN_RULES,
+                                   config=data_config("fsdp4_tensor2",
+                                                      param_persistence_threshold=8))
+  assert schedule.report()["tensor_axis_estimated_bytes"] > 0
+  step_matches_reference(loss, schedule, mesh, params, BATCH)
+
+
 def test_scanned_checkpoints_across_tensor_sizes_and_bad_specs(tmp_path):
   """A scanned run's checkpoint on (4, 2) restores bitwise on (2, 4), (2, 2, 2) and (8,)
   without tensor parallelism, and back; a spec splitting the scanned axis is refused."""

@@ -249,26 +249,29 @@ class Loop:
 
     ct_carry, ct_ys = ct_outs[:self.num_carry], ct_outs[self.num_carry:]
     tie = anchor if anchor is not None else ct_carry
-    ct_consts = [jnp.zeros_like(c) if _is_float(c) else None for c in consts]
-    ct_xs = [jnp.zeros_like(x) if _is_float(x) else None for x in xs]
+    # differentiated: the carries (floats), and the consts and xs that depend on trained
+    # parameters (others may feed ops JAX cannot transpose, e.g. a while_loop)
+    const_d, xs_d = self._differentiated(consts, 0), self._differentiated(xs, self.first_xs)
+    ct_consts = [jnp.zeros_like(c) if d else None for c, d in zip(consts, const_d)]
+    ct_xs = [jnp.zeros_like(x) if d else None for x, d in zip(xs, xs_d)]
     grads = {i: jnp.zeros(shards[i].shape, self.dp.reduce_dtype(i)) for i in self.trained}
 
     def iteration(i, layers, ct_carry, ct_consts, ct_xs, grads):
       layer = self.layer(i)
       carry, x, ct_y = _read(saved, i), _read(xs, layer), _read(ct_ys, layer)
-      diff = ({j: layers[j] for j in self.trained}, _floats(consts), _floats(carry),
-              _floats(x))
+      diff = ({j: layers[j] for j in self.trained}, _floats(consts, const_d), _floats(carry),
+              _floats(x, xs_d))
 
       def f(layer_d, consts_d, carry_d, x_d):
-        new_carry, y = self.body({**layers, **layer_d}, _merge(consts, consts_d) +
-                                 _merge(carry, carry_d) + _merge(x, x_d))
+        new_carry, y = self.body({**layers, **layer_d}, _merge(consts, consts_d, const_d) +
+                                 _merge(carry, carry_d) + _merge(x, x_d, xs_d))
         return _floats(new_carry), _floats(y)
 
       _, vjp_fn = jax.vjp(f, *diff)
       ct_layer, ct_c, ct_carry_in, ct_x = vjp_fn((_floats(ct_carry), _floats(ct_y)))
       ct_consts = [a if a is None else a + b
-                   for a, b in zip(ct_consts, _merge_none(consts, ct_c))]
-      ct_xs = _write(ct_xs, layer, _merge_none(x, ct_x))
+                   for a, b in zip(ct_consts, _merge_none(consts, ct_c, const_d))]
+      ct_xs = _write(ct_xs, layer, _merge_none(x, ct_x, xs_d))
       grads = _write(grads, layer, self.scatter_layer(ct_layer))
       return _merge_none(carry, ct_carry_in), ct_consts, ct_xs, grads
 
@@ -299,6 +302,19 @@ class Loop:
     return (values[:self.num_consts], values[self.num_consts:self.first_xs],
             values[self.first_xs:])
 
+  def _differentiated(self, values, first) -> list[bool]:
+    """Which of `values` (the op's inputs from position `first` on) the backward
+    differentiates: floats that depend on trained parameters (the segment's own analysis)."""
+    io = self.dp.segments[self.segment]
+    acts = {a for a, d in zip(io.act_inputs, self.dp.diff_acts[self.segment]) if d}
+    params = self.dp.chains
+    out = []
+    for v, a in zip(values, self.inputs[first:]):
+      trained = isinstance(a, int) and a in params and ir.has_gradient(
+          self.dp.s.params[params[a][0]])
+      out.append(_is_float(v) and (trained or (isinstance(a, int) and a in acts)))
+    return out
+
   def _restore_positions(self, ct_inputs):
     return [None if j in self.stacked_inputs else ct for j, ct in enumerate(ct_inputs)]
 
@@ -326,17 +342,23 @@ def _is_float(x) -> bool:
   return x is not None and ir.is_float(x.dtype)
 
 
-def _floats(values) -> list:
-  return [v for v in values if _is_float(v)]
+def _floats(values, mask=None) -> list:
+  """The floating-point entries of `values` (or those `mask` marks)."""
+  mask = [_is_float(v) for v in values] if mask is None else mask
+  return [v for v, m in zip(values, mask) if m]
 
 
-def _merge(values, float_values) -> list:
-  """`values` with its floating-point entries replaced, in order, by `float_values`."""
+def _merge(values, float_values, mask=None) -> list:
+  """`values` with its floating-point entries (or those `mask` marks) replaced, in order,
+  by `float_values`."""
+  mask = [_is_float(v) for v in values] if mask is None else mask
   it = iter(float_values)
-  return [next(it) if _is_float(v) else v for v in values]
+  return [next(it) if m else v for v, m in zip(values, mask)]
 
 
-def _merge_none(values, float_values) -> list:
-  """Cotangents aligned with `values`: float entries from `float_values`, others None."""
+def _merge_none(values, float_values, mask=None) -> list:
+  """Cotangents aligned with `values`: float entries (or those `mask` marks) from
+  `float_values`, others None."""
+  mask = [_is_float(v) for v in values] if mask is None else mask
   it = iter(float_values)
-  return [next(it) if _is_float(v) else None for v in values]
+  return [next(it) if m else None for v, m in zip(values, mask)]

@@ -142,7 +142,10 @@ class _Walk:
         origin[var] = self.origin[outer]
       if outer in self.differentiable:
         differentiable.add(var)
-    signatures = _scan_backward_signatures(eqn)
+    carries = range(eqn.params["num_consts"], first_xs)
+    signatures = _scan_backward_signatures(eqn, [
+        k in carries or (outer is not None and outer in self.differentiable)
+        for k, outer in enumerate(node.inputs)])
     nodes = [_Node(e.primitive.name, e, [v if isinstance(v, jex.Var) else None
                                          for v in e.invars], list(e.outvars))
              for e in body.eqns]
@@ -156,13 +159,14 @@ class _Walk:
     return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
-def _scan_backward_signatures(eqn) -> set:
+def _scan_backward_signatures(eqn, differentiated) -> set:
   """The op signatures (loop_parts.op_signature) that one backward iteration of a scan
   executes: the loop's backward recomputes the iteration from its saved carry, as far as
-  the body's vjp needs it (JAX's dead-code elimination)."""
+  the body's vjp (in the float inputs `differentiated` marks, as execute_loop.py takes
+  it) needs it (JAX's dead-code elimination)."""
   closed = eqn.params["jaxpr"]
   ins, outs = closed.jaxpr.invars, closed.jaxpr.outvars
-  floats = [ir.is_float(v.aval.dtype) for v in ins]
+  floats = [ir.is_float(v.aval.dtype) and d for v, d in zip(ins, differentiated)]
   out_floats = [ir.is_float(v.aval.dtype) for v in outs]
 
   def backward(diff, fixed, cts):
