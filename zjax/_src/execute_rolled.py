@@ -176,6 +176,11 @@ class RolledLoop(Loop):
                                                       reverse=True)
     return list(ct_consts) + list(ct_carry) + list(ct_xs), grads
 
+  def _differentiated(self, values, first) -> list[bool]:
+    """Every float input (a rolled run's xs are per-layer values and parameters, not the
+    scan op's inputs that Loop._differentiated reads)."""
+    return [_is_float(v) for v in values]
+
   def _context(self, consts, carry, x) -> dict:
     ctx = {("const", k): v for k, v in enumerate(consts)}
     ctx.update((("carry", k), v) for k, v in enumerate(carry))
