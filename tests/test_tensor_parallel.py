@@ -355,16 +355,20 @@ def logical_rules(sequence_parallel):
           ("activation_length", "tensor" if sequence_parallel else None)]
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["no_sp", "sp"])
-def test_annotated_linen_model(sequence_parallel):
-  model, rules = Stack(), logical_rules(sequence_parallel)
+def linen_case(model, sequence_parallel):
+  """(loss, boxed params, batch, rules) of a linen model of Blocks under the logical rules."""
+  rules = logical_rules(sequence_parallel)
   x = jnp.asarray(np.random.default_rng(2).normal(size=(8, 4, 8)), jnp.float32)
-  boxed = model.init(jax.random.key(0), x)["params"]
 
   def loss_fn(p, x):
     with nn.logical_axis_rules(rules):
       return jnp.mean(model.apply({"params": p}, x) ** 2)
+  return loss_fn, model.init(jax.random.key(0), x)["params"], x, rules
 
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["no_sp", "sp"])
+def test_annotated_linen_model(sequence_parallel):
+  loss_fn, boxed, x, rules = linen_case(Stack(), sequence_parallel)
   mesh = auto_mesh((4, 2), ("fsdp", "tensor"))
   config = zjax.ZeroConfig(tensor_axes=("tensor",), param_persistence_threshold=0)
   schedule = zjax.compile_schedule(loss_fn, boxed, x, mesh=mesh, config=config,
@@ -405,14 +409,7 @@ def test_scanned_annotated_linen_model_with_sequence_parallel_constraints():
   body: parity, report == HLO per data axis, no storage over tensor. (GSPMD's sequence
   parallelism moves 6.6 KiB over tensor here, the estimate 2.5 KiB: it does not model
   sequence parallelism's gathers.)"""
-  model, rules = ScanStack(), logical_rules(sequence_parallel=True)
-  x = jnp.asarray(np.random.default_rng(2).normal(size=(8, 4, 8)), jnp.float32)
-  boxed = model.init(jax.random.key(0), x)["params"]
-
-  def loss_fn(p, x):
-    with nn.logical_axis_rules(rules):
-      return jnp.mean(model.apply({"params": p}, x) ** 2)
-
+  loss_fn, boxed, x, rules = linen_case(ScanStack(), sequence_parallel=True)
   mesh = auto_mesh((4, 2), ("fsdp", "tensor"))
   schedule = zjax.compile_schedule(loss_fn, boxed, x, mesh=mesh, logical_axis_rules=rules,
                                    config=data_config("fsdp4_tensor2",
