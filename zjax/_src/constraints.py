@@ -20,6 +20,7 @@ import contextlib
 import jax
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
 
+from zjax._src import tensor_specs
 from zjax._src.errors import TraceError
 
 
@@ -82,15 +83,8 @@ def _without_data_axes(sharding, data_axes, x, notes: list[str]):
   if not _is_sharding(sharding):
     return sharding
   spec = sharding.spec if isinstance(sharding, NamedSharding) else sharding
-  kept, dropped = [], []
-  for entry in spec:
-    names = entry if isinstance(entry, tuple) else (entry,)
-    if entry is None or entry is P.UNCONSTRAINED or not any(n in data_axes for n in names):
-      kept.append(entry)
-      continue
-    dropped += [n for n in names if n in data_axes]
-    rest = tuple(n for n in names if n not in data_axes)
-    kept.append(rest[0] if len(rest) == 1 else (rest or None))
+  dropped = [n for entry in spec if entry is not None
+             for n in (entry if isinstance(entry, tuple) else (entry,)) if n in data_axes]
   if not dropped and isinstance(sharding, P):
     return sharding
   if dropped:
@@ -100,4 +94,4 @@ def _without_data_axes(sharding, data_axes, x, notes: list[str]):
             f"(zjax splits the batch over them)")
     if note not in notes:
       notes.append(note)
-  return P(*kept)
+  return tensor_specs.filtered_spec(spec, lambda a: a not in data_axes)

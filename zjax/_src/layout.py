@@ -235,19 +235,10 @@ def place(x, mesh, spec):
     return jax.lax.with_sharding_constraint(x, sharding)
   explicit = {a for a in mesh.axis_names
               if mesh.axis_types[mesh.axis_names.index(a)] == AxisType.Explicit}
-  x = jax.reshard(x, NamedSharding(mesh, _only(spec, lambda a: a in explicit, None)))
-  return jax.lax.with_sharding_constraint(x, NamedSharding(
-      mesh, _only(spec, lambda a: a not in explicit, P.UNCONSTRAINED)))
-
-
-def _only(spec, keep, other) -> P:
-  """`spec` with each dimension's axes filtered by `keep`; `other` where none is left."""
-  out = []
-  for part in spec:
-    names = tuple(a for a in (part if isinstance(part, tuple) else (part,))
-                  if a is not None and keep(a))
-    out.append(other if not names else names[0] if len(names) == 1 else names)
-  return P(*out)
+  x = jax.reshard(x, NamedSharding(mesh, tensor_specs.filtered_spec(
+      spec, lambda a: a in explicit)))
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, tensor_specs.filtered_spec(
+      spec, lambda a: a not in explicit, P.UNCONSTRAINED)))
 
 
 def shard(params: Any, schedule, mesh) -> Any:

@@ -168,22 +168,30 @@ def backward_unread(op, stacked: dict[int, bool]) -> set[int]:
   the iteration's vjp as the loop step runs it (differentiated: the trained stacked inputs
   and every floating-point other input; cotangents of the floating-point outputs). XLA
   deletes a re-gather of such a value (an integer leaf's), so the schedule leaves it out."""
-  body = op.eqn.params["jaxpr"]
-  avals = [v.aval for v in body.jaxpr.invars]
+  avals = [v.aval for v in op.eqn.params["jaxpr"].jaxpr.invars]
   diff = [stacked[j] if j in stacked else ir.is_float(a.dtype) for j, a in enumerate(avals)]
+  _, used = iteration_vjp(op.eqn, diff)
+  return {j for j in stacked if not used[j]}
+
+
+def iteration_vjp(eqn, differentiated) -> tuple:
+  """One backward iteration of scan `eqn`: the vjp of its body in the inputs
+  `differentiated` marks, given cotangents of its floating-point outputs, traced on abstract
+  values with JAX's dead-code elimination applied -> (the pruned jaxpr, whether it reads
+  each of its inputs: the body's inputs, then the cotangents)."""
+  body = eqn.params["jaxpr"]
   outs = [ir.is_float(v.aval.dtype) for v in body.jaxpr.outvars]
 
   def backward(inputs, cts):
     def f(*diffed):
       it = iter(diffed)
-      values = [next(it) if d else x for x, d in zip(inputs, diff)]
+      values = [next(it) if d else x for x, d in zip(inputs, differentiated)]
       return [o for o, keep in zip(jex.jaxpr_as_fun(body)(*values), outs) if keep]
-    _, vjp_fn = jax.vjp(f, *[x for x, d in zip(inputs, diff) if d])
+    _, vjp_fn = jax.vjp(f, *[x for x, d in zip(inputs, differentiated) if d])
     return vjp_fn(cts)
 
   spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
   closed = jax.make_jaxpr(backward)(
-      [spec(a) for a in avals],
+      [spec(v.aval) for v in body.jaxpr.invars],
       [spec(v.aval) for v, keep in zip(body.jaxpr.outvars, outs) if keep])
-  _, used = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
-  return {j for j in stacked if not used[j]}
+  return pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))

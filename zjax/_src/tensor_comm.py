@@ -23,12 +23,10 @@ reshard elsewhere too)."""
 
 import collections
 
-import jax
 import jax.extend.core as jex
 import numpy as np
-from jax._src.interpreters import partial_eval as pe  # JAX's own DCE (as segments.py)
 
-from zjax._src import ir, loop_parts
+from zjax._src import ir, loop_parts, loops
 from zjax._src.trace import LAYOUT_PRIMITIVES
 
 
@@ -164,22 +162,9 @@ def _scan_backward_signatures(eqn, differentiated) -> set:
   executes: the loop's backward recomputes the iteration from its saved carry, as far as
   the body's vjp (in the float inputs `differentiated` marks, as execute_loop.py takes
   it) needs it (JAX's dead-code elimination)."""
-  closed = eqn.params["jaxpr"]
-  ins, outs = closed.jaxpr.invars, closed.jaxpr.outvars
-  floats = [ir.is_float(v.aval.dtype) and d for v, d in zip(ins, differentiated)]
-  out_floats = [ir.is_float(v.aval.dtype) for v in outs]
-
-  def backward(diff, fixed, cts):
-    def f(*diff):
-      it_d, it_f = iter(diff), iter(fixed)
-      results = jex.jaxpr_as_fun(closed)(*[next(it_d) if x else next(it_f) for x in floats])
-      return [r for r, x in zip(results, out_floats) if x]
-    return jax.vjp(f, *diff)[1](cts)
-  spec = lambda v: jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)  # noqa: E731
-  jaxpr = jax.make_jaxpr(backward)([spec(v) for v, x in zip(ins, floats) if x],
-                                   [spec(v) for v, x in zip(ins, floats) if not x],
-                                   [spec(v) for v, x in zip(outs, out_floats) if x]).jaxpr
-  jaxpr, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+  floats = [ir.is_float(v.aval.dtype) and d
+            for v, d in zip(eqn.params["jaxpr"].jaxpr.invars, differentiated)]
+  jaxpr, _ = loops.iteration_vjp(eqn, floats)
   return loop_parts.op_signatures(jaxpr)
 
 

@@ -20,6 +20,17 @@ from jax.sharding import PartitionSpec as P
 from zjax._src.errors import ZjaxError
 
 
+def filtered_spec(spec, keep, empty=None) -> P:
+  """`spec` with each dimension's mesh axes filtered by `keep(axis)`; `empty` where none is
+  left (None: unsharded, P.UNCONSTRAINED: left to the partitioner)."""
+  out = []
+  for part in spec:
+    names = tuple(a for a in (part if isinstance(part, tuple) else (part,))
+                  if a is not None and keep(a))
+    out.append(empty if not names else names[0] if len(names) == 1 else names)
+  return P(*out)
+
+
 def is_box(x) -> bool:
   """A Flax partitioning box (linen LogicallyPartitioned / Partitioned)."""
   return isinstance(x, meta.AxisMetadata)
