@@ -10,6 +10,9 @@ gathered bytes is no higher rolled than unrolled."""
 import dataclasses
 import json
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 import real_models
 from helpers import assert_parity
@@ -116,3 +119,39 @@ def test_a_leaf_above_the_cap_stays_a_clear_error():
   with pytest.raises(ScheduleError, match=r"\['embed'\]\['embedding'\].*at least"):
     zjax.compile_schedule(case.loss_fn, case.params, case.batch, num_devices=8,
                           config=config)
+
+
+def while_loop_layers(num_layers=3, d=16):
+  """Identical layers, each running a float from the batch through a while_loop (JAX
+  cannot reverse-differentiate one; jax.value_and_grad never asks: no parameter reaches
+  it)."""
+  keys = jax.random.split(jax.random.key(21), 2 * num_layers + 1)
+  params = {f"layer_{i}": {"a": {"w": jax.random.normal(keys[2 * i], (d, d)) / np.sqrt(d)},
+                           "b": {"w": jax.random.normal(keys[2 * i + 1], (d, d)) / np.sqrt(d)}}
+            for i in range(num_layers)}
+  batch = {"x": jax.random.normal(keys[-1], (16, d)), "t": jnp.float32(0.9)}
+
+  def loss(p, b):
+    x = b["x"]
+    for i in range(num_layers):
+      halved = jax.lax.while_loop(lambda c: c[1] > 0.3, lambda c: (c[0] + 1, c[1] / 2),
+                                  (0, b["t"]))[1]
+      h = jnp.tanh(x @ p[f"layer_{i}"]["a"]["w"]) * halved
+      x = h @ p[f"layer_{i}"]["b"]["w"] + x
+    return jnp.mean(x ** 2)
+
+  return real_models.Case(loss, params, batch, reference_loss_fn=loss)
+
+
+@pytest.mark.parametrize("parts", [False, True], ids=["whole-layer", "by-parts"])
+def test_a_rolled_layer_with_a_while_loop_on_a_batch_float(parts):
+  """Rolled backward iterations differentiate only the loop inputs that depend on trained
+  parameters (loop_parts.differentiable_inputs), as scans and unrolled layers do."""
+  case = while_loop_layers()
+  config = zjax.ZeroConfig(param_persistence_threshold=0)  # the whole layer at once
+  if parts:  # one weight at a time
+    config = dataclasses.replace(config, max_reuse_distance=0, max_live_parameters=16 * 16)
+  for n in (8, 4):
+    schedule = rolled_and_unrolled(case, config, n)[True]
+    assert rolled_lengths(schedule) == [3], n
+    assert bool(parted_loops(schedule)) == parts, n

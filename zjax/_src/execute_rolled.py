@@ -177,9 +177,13 @@ class RolledLoop(Loop):
     return list(ct_consts) + list(ct_carry) + list(ct_xs), grads
 
   def _differentiated(self, values, first) -> list[bool]:
-    """Every float input (a rolled run's xs are per-layer values and parameters, not the
-    scan op's inputs that Loop._differentiated reads)."""
-    return [_is_float(v) for v in values]
+    """Which consts (`first` 0) or xs (`first` first_xs: per-layer values, then the
+    persistent per-layer parameters) the backward differentiates: floats among
+    loop_parts.differentiable_inputs."""
+    kind = "const" if first == 0 else "xs"
+    keys = loop_parts.differentiable_inputs(self.run, self.replicated, self.dp.s.params,
+                                            self.dp.needs_gradient)
+    return [_is_float(v) and (kind, k) in keys for k, v in enumerate(values)]
 
   def _context(self, consts, carry, x) -> dict:
     ctx = {("const", k): v for k, v in enumerate(consts)}

@@ -52,7 +52,20 @@ def part_runner(program, run, members, entries, bucket_of) -> "PartRunner":
       if src[0] == "layer" and src[1] in sharded:
         avals[src[1]] = template[j].eqn.invars[q].aval
   trained = {i for i in sharded.values() if ir.has_gradient(entries[i])}
-  return PartRunner(run, template, sharded, replicated, members, bucket_of, trained, avals)
+  needs = seg_lib.needs_gradient(program, [ir.has_gradient(e) for e in entries])
+  return PartRunner(run, template, sharded, replicated, members, bucket_of, trained, avals,
+                    differentiable_inputs(run, replicated, entries, needs))
+
+
+def differentiable_inputs(run, replicated, entries, needs_gradient) -> frozenset:
+  """The loop inputs a backward iteration differentiates besides its carries: the consts
+  that depend on trained parameters (`needs_gradient`: program value ids) and the trained
+  persistent per-layer parameters. Not the others, as jax.value_and_grad would not: they
+  may feed ops JAX cannot transpose (a while_loop on a float from the batch)."""
+  consts = [("const", k) for k, v in enumerate(run.consts) if v in needs_gradient]
+  stacks = [("xs", len(run.xs) + r) for r, p in enumerate(replicated)
+            if ir.has_gradient(entries[run.stacked[p][0]])]
+  return frozenset(consts + stacks)
 
 
 class PartRunner:
@@ -63,12 +76,14 @@ class PartRunner:
   runs, as segments apply views), so that saved residuals never hold a weight's copy."""
 
   def __init__(self, run, template, gathered: dict, replicated: list, members, bucket_of,
-               trained: set, weight_avals: dict):
+               trained: set, weight_avals: dict, differentiable: frozenset):
     """gathered: stacked position -> layer-0 parameter index (gathered per iteration);
     replicated: positions read whole from the xs (persistent); members: bucket -> its
     layer-0 parameter indices; trained: parameter indices that get a gradient;
-    weight_avals: position -> the weight's shape and dtype (as gathered)."""
+    weight_avals: position -> the weight's shape and dtype (as gathered); differentiable:
+    the const and xs context keys that get a cotangent (`differentiable_inputs`)."""
     self.run, self.template = run, template
+    self.differentiable = differentiable
     self.gathered, self.replicated, self.members = gathered, replicated, members
     self.trained, self.weight_avals = trained, weight_avals
     self.views = self._views()  # (j, o) -> (base position, layout ops from it)
@@ -183,7 +198,8 @@ class PartRunner:
     part, run = self.parts[p], self.part_fn(p)
     diff_w = [k for k in part.weights if self.gathered[self.base_of(k)[0]] in self.trained]
     values = [ctx[k] for k in part.inputs]
-    diff_in = [i for i, v in enumerate(values) if _is_float(v)]
+    diff_in = [i for i, (k, v) in enumerate(zip(part.inputs, values)) if _is_float(v) and (
+        k[0] in ("local", "carry") or k in self.differentiable)]
 
     def f(w, xs):
       all_in = list(values)
