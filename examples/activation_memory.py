@@ -32,11 +32,9 @@ ARGS = parse_args()
 devices.setup(ARGS.devices)  # before JAX starts
 
 import jax  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import zjax  # noqa: E402
-from zjax._src import ir, layout  # noqa: E402
+from zjax._src import ir  # noqa: E402
 from zjax._src.render import format_bytes  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
@@ -86,18 +84,7 @@ def zjax_temp(case, config):
 
 
 def gspmd_temp(case):
-  m = mesh(jax.sharding.AxisType.Auto)  # GSPMD propagates the shardings itself
-  n = ARGS.devices
-  put = lambda x, spec: jax.device_put(x, NamedSharding(m, spec))  # noqa: E731
-  params = jax.tree.map(lambda x: put(x, layout.largest_dim_spec(x.shape, n, "fsdp")),
-                        case.params)
-  batch = jax.tree.map(lambda x: put(x, P("fsdp") if x.ndim else P()), case.batch)
-  # (the reference loss: a sync-BatchNorm model's statistics are GSPMD's own full-batch ones)
-  grad = jax.value_and_grad(case.reference_loss_fn or case.loss_fn,
-                            has_aux=case.extra is not None)
-  lowered = jax.jit(grad).lower(*args_of(real_models.Case(case.loss_fn, None, batch,
-                                                           case.extra), params))
-  return zjax.hlo.summarize(zjax.hlo.compile_for_analysis(lowered))["temp_bytes"]
+  return real_models.gspmd_fsdp_temp(case, mesh(jax.sharding.AxisType.Auto))
 
 
 def main():

@@ -31,6 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zjax
+from zjax._src import layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +45,24 @@ class Case:
   batch: Any
   extra: Any = None
   reference_loss_fn: Callable = None  # the same on one device and the full batch
+
+
+def gspmd_fsdp_temp(case: Case, mesh) -> int:
+  """Compiled temp per device of GSPMD FSDP's gradient step on `case`, the baseline of
+  activation memory: every parameter sharded along its largest dimension divisible by the
+  mesh's (Auto) axis, the batch over it, `jax.value_and_grad` jitted (zjax bench's
+  baseline). A sync-BatchNorm model runs its reference loss: GSPMD's statistics are the
+  full batch's."""
+  (axis,) = mesh.axis_names
+  put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+  params = jax.tree.map(lambda x: put(x, layout.largest_dim_spec(x.shape, mesh.size, axis)),
+                        case.params)
+  batch = jax.tree.map(lambda x: put(x, P(axis) if x.ndim else P()), case.batch)
+  grad = jax.value_and_grad(case.reference_loss_fn or case.loss_fn,
+                            has_aux=case.extra is not None)
+  args = (params, batch) if case.extra is None else (params, batch, case.extra)
+  program = zjax.hlo.compile_for_analysis(jax.jit(grad).lower(*args))
+  return zjax.hlo.summarize(program)["temp_bytes"]
 
 
 def cross_entropy(logits, labels):

@@ -160,14 +160,11 @@ class _DeviceProgram:
     self.consts = dict(zip(program.const_ids, program.consts))
     self.needs_gradient = seg_lib.needs_gradient(program, [ir.has_gradient(p)
                                                            for p in schedule.params])
-    # persistent gradients are averaged as soon as they are complete (after the backward of
-    # the first segment that reads them), so that their full buffers do not all wait for
-    # the end of the step: segment -> parameter indices
-    self.grad_done_at: dict[int, list[int]] = {}
-    segment_of = {op: seg.id for seg in schedule.segments for op in range(seg.start, seg.end)}
-    for i, entry in enumerate(schedule.params):
-      if entry.persistent and ir.has_gradient(entry) and entry.uses and not entry.stack:
-        self.grad_done_at.setdefault(segment_of[min(entry.uses)], []).append(i)
+    # persistent gradients are averaged as soon as they are complete, so that their full
+    # buffers do not all wait for the end of the step: segment -> storage leaves
+    self.grad_done_at = {k: sorted({self.storage_of[i] for i in members})
+                         for k, members in ir.persistent_reductions(
+                             schedule.params, schedule.segments).items()}
     backward_loops = {st.segment: st for st in schedule.backward if st.op == ir.LOOP_OP}
     self.loops = {st.segment: self._loop(st, backward_loops[st.segment])
                   for st in schedule.forward if st.op == ir.LOOP_OP}
@@ -316,7 +313,7 @@ class _State:
     # rolled stacks of persistent parameters: storage index -> stacked full gradient
     self.stacked_grads: dict[int, Any] = {}
     self.shard_grads: dict[int, Any] = {}  # storage index -> local gradient shard
-    self.averaged: dict[int, Any] = {}  # parameter index -> averaged persistent gradient
+    self.averaged: dict[int, Any] = {}  # storage index -> averaged persistent gradient
 
   def stack_of(self, i):
     """This device's part of the rolled stack holding parameter i (all its layers)."""
@@ -503,12 +500,23 @@ class _State:
     self._average_done_gradients(k)
 
   def _average_done_gradients(self, k):
-    """Average the persistent gradients that segment k's backward completed."""
-    done = {i: self.full_grads.pop(i) for i in self.dp.grad_done_at.get(k, ())
-            if i in self.full_grads}
+    """Average the persistent gradients that segment k's backward completed (one
+    all-reduce), pinned before the next backward compute: else XLA combines every
+    segment's all-reduce into one at the end, with all full gradients live until then."""
+    done = {}
+    for leaf in self.dp.grad_done_at.get(k, ()):
+      i = self.dp.s.storage[leaf].members[0]
+      grad = (self.stacked_grads.pop(leaf, None) if self.dp.s.storage[leaf].rolled
+              else self.full_grads.pop(i, None))
+      if grad is not None:
+        done[leaf] = self._as_reduced(i, grad)
     if done:
-      self.averaged.update(self.mean_over_devices(
-          {i: self._as_reduced(i, g) for i, g in done.items()}))
+      averaged = self.mean_over_devices(done)
+      pending = {a: c for a, c in self.cts.items() if seg_lib.is_real_cotangent(c)}
+      if pending:
+        averaged, pending = lax.optimization_barrier((averaged, pending))
+        self.cts.update(pending)
+      self.averaged.update(averaged)
 
   def _as_reduced(self, i, grad):
     """A persistent gradient as the backend sums it (the reduce dtype, on the wire)."""
@@ -550,8 +558,7 @@ class _State:
       if grad is not None:  # summed as the backend would
         persistent[k] = self._as_reduced(i, grad)
     persistent = self.mean_over_devices(persistent)
-    for i, grad in self.averaged.items():  # (plus anything that arrived after: none)
-      k = self.dp.storage_of[i]
+    for k, grad in self.averaged.items():  # (plus anything that arrived after: none)
       persistent[k] = grad if k not in persistent else persistent[k] + grad
     out = []
     for k, leaf in enumerate(s.storage):

@@ -274,6 +274,18 @@ def has_gradient(item) -> bool:
   return is_float(item.dtype) and not item.frozen
 
 
+def persistent_reductions(params, segments) -> dict[int, tuple[int, ...]]:
+  """Segment -> the persistent trained parameters whose gradient its backward completes
+  (the segment of their first use; a rolled stack's layers: their loop's). The executor
+  averages them right after that backward, in one all-reduce per segment."""
+  segment_of = {op: seg.id for seg in segments for op in range(seg.start, seg.end)}
+  out: dict[int, list[int]] = {}
+  for i, p in enumerate(params):
+    if p.persistent and has_gradient(p) and p.uses:
+      out.setdefault(segment_of[min(p.uses)], []).append(i)
+  return {k: tuple(v) for k, v in out.items()}
+
+
 def gather_dtype(dtype, compute_dtype) -> np.dtype:
   """The dtype a parameter stored as `dtype` is gathered and used in."""
   dtype = jnp.dtype(dtype)

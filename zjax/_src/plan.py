@@ -9,7 +9,10 @@
    list every layer's (`Bucket.layers`); each per-layer parameter is stored in its run's
    stack (`ParamEntry.stack`/`layer`: one [L, ...] leaf of the layout, as a scan's).
 3. Segments: the op list cut so that a segment starts where a bucket that is not yet in use
-   is needed, and ends right after its last parameter use (releases come promptly). A scan
+   is needed, and ends right after its last parameter use (releases come promptly).
+   Persistent trained parameters cut the same way, one group per owning module: each
+   segment's backward ends with the all-reduce of the persistent gradients it completed
+   (ir.persistent_reductions), so they are not all live at once at the end. A scan
    with stacked parameters, or a rolled run of layers, is a segment of its own, run by a
    "loop" step.
 4. Instances: each bucket's uses are grouped into gather instances; a gap of more than
@@ -205,7 +208,8 @@ def _plan_with(trace, config, axis_sizes, frozen, platform, rolling, tensor) -> 
   trained = [ir.has_gradient(e) for e in entries]
   loop_ranges = {op: op + 1 for op in stacked.values()}  # a scan: one op
   loop_ranges.update((run.start, run.end) for run in rolling.runs)
-  segments = _make_segments(trace, bucket_of, loop_ranges)
+  segments = _make_segments(trace, {**bucket_of, **_gradient_groups(trace, entries)},
+                            loop_ranges)
   split = frozenset(i for i, e in enumerate(entries) if e.tensor_dim is not None)
   segments, recomputed_lookups = _with_backward_buckets(segments, trace, bucket_of, trained,
                                                         loop_ranges, split)
@@ -469,10 +473,23 @@ def _group_buckets(trace, persistent, frozen, stacked, layers_of
   return [(*key, members) for key, members in groups.items()]
 
 
+def _gradient_groups(trace, entries) -> dict[int, int]:
+  """Persistent trained parameters (outside rolled stacks) -> a negative segment key per
+  owning module. They cut segments as buckets do, so that each module's persistent
+  gradients are averaged right after the backward that completes them (the executor's
+  `_average_done_gradients`), not all at once at the end of the step, where every full
+  gradient of a data-parallel model would be live together."""
+  owners: dict[str, int] = {}
+  return {p.index: -1 - owners.setdefault(p.owner, len(owners)) for p in trace.params
+          if entries[p.index].persistent and ir.has_gradient(entries[p.index]) and p.uses
+          and not entries[p.index].stack}
+
+
 def _make_segments(trace, bucket_of, loop_ranges=None) -> tuple[ir.Segment, ...]:
   """Cut the op list where a bucket not used by the current segment is needed; a loop
   (`loop_ranges`: first op -> end; a scan with stacked parameters, or a rolled run of
-  layers) is a segment of its own."""
+  layers) is a segment of its own. Negative keys in `bucket_of` (`_gradient_groups`) cut
+  as buckets do but are not buckets of the segment."""
   loop_ranges = loop_ranges or {}
   buckets_at: dict[int, set[int]] = {}
   for p in trace.params:
@@ -506,7 +523,9 @@ def _make_segments(trace, bucket_of, loop_ranges=None) -> tuple[ir.Segment, ...]
   for i, (end, bucket_ids, first_op) in enumerate(cuts):
     label = trace.ops[first_op].module if first_op is not None else ""
     if not label and bucket_ids:  # no name stack (e.g. NNX): name the owner module instead
-      label = trace.params[_first_member(bucket_ids[0], bucket_of)].owner
+      first = min(bucket_ids, key=lambda b: (b < 0, abs(b)))  # a bucket, else a group
+      label = trace.params[_first_member(first, bucket_of)].owner
+    bucket_ids = [b for b in bucket_ids if b >= 0]
     segments.append(ir.Segment(id=i, start=start, end=end, buckets=tuple(bucket_ids),
                                backward_buckets=(), label=label))
     start = end

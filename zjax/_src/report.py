@@ -49,6 +49,9 @@ def make_report(s, sim) -> dict:
       # compare)
       "replica_all_reduce_bytes": replica_bytes,
       "persistent_grad_all_reduce_bytes": persistent_grad_bytes(s),
+      # one all-reduce per segment whose backward completes persistent gradients
+      "persistent_grad_all_reduce_count": (len(persistent_reductions_bytes(s))
+                                           if s.data_parallel_size > 1 else 0),
       # the same bytes by the mesh axes each collective spans ("replica+fsdp": both); the
       # loss's scalar all-reduce over every data axis is not counted
       **{f"{kind}_bytes_by_axis": _by_axis(collectives, kind)
@@ -124,9 +127,21 @@ def tensor_report(s) -> dict:
 def persistent_grad_bytes(s) -> int:
   """Bytes of the persistent (replicated) parameters' gradients, as all-reduced (each device
   all-reduces its TP slice of a tensor-parallel one)."""
-  return sum(p.size // p.tensor_slices *
-             ir.reduce_wire_dtype(p.dtype, s.config, s.platform).itemsize
-             for p in s.params if p.persistent and ir.has_gradient(p))
+  return sum(persistent_reductions_bytes(s))
+
+
+def persistent_reductions_bytes(s) -> list[int]:
+  """Bytes of each persistent-gradient all-reduce, in the order backward runs them (one per
+  segment that completes persistent gradients, ir.persistent_reductions); a gradient of a
+  parameter that is never used is zero and not reduced."""
+  done = ir.persistent_reductions(s.params, s.segments)
+  return [sum(_persistent_reduced_bytes(s, s.params[i]) for i in done[k])
+          for k in sorted(done, reverse=True)]
+
+
+def _persistent_reduced_bytes(s, p) -> int:
+  return p.size // p.tensor_slices * ir.reduce_wire_dtype(p.dtype, s.config,
+                                                          s.platform).itemsize
 
 
 def executed_collectives(s, sim) -> list[tuple[str, tuple[str, ...], int]]:
@@ -148,9 +163,8 @@ def executed_collectives(s, sim) -> list[tuple[str, tuple[str, ...], int]]:
       if "mean_over" in axes:
         out.append(("all_reduce", tuple(axes["mean_over"]),
                     sim.bucket_grad_bytes[st.bucket] // s.num_devices))
-  persistent = persistent_grad_bytes(s)
-  if persistent and s.data_parallel_size > 1:
-    out.append(("all_reduce", s.config.data_axes, persistent))
+  if s.data_parallel_size > 1:
+    out += [("all_reduce", s.config.data_axes, n) for n in persistent_reductions_bytes(s)]
   return out
 
 
