@@ -1,7 +1,8 @@
 """Persistent (replicated) parameters' gradients are averaged module by module, right after
-the backward that completes them (plan._gradient_groups cuts segments per owning module;
-ir.persistent_reductions says where), not in one all-reduce at the end of the step where
-every full gradient would be live at once.
+the backward that completes them (plan._gradient_groups cuts segments per owning module
+whose gradient outweighs the activations the cut keeps; ir.persistent_reductions says
+where), not in one all-reduce at the end of the step where every full gradient would be
+live at once.
 
 Under the default `param_persistence_threshold` every parameter of these small models is
 persistent: zjax runs them data parallel. Checked against plain single-device JAX on the
@@ -63,3 +64,13 @@ def test_one_all_reduce_per_module_and_temp_at_most_gspmd(model, config):
   assert temp < report["persistent_grad_all_reduce_bytes"] / 2, (name, temp)
   gspmd = gspmd_fsdp_temp(case, mesh_of(8, explicit=False))
   assert temp <= gspmd, (name, temp, gspmd)
+
+
+def test_a_module_cuts_a_segment_only_when_its_gradient_outweighs_the_cut(model):
+  """A projection's gradient is larger than the activations a cut before it makes backward
+  keep, a norm's scale is not: segments start at projections, never at norms."""
+  name, case, _ = model
+  schedule = zjax.compile_schedule(case.loss_fn, case.params, case.batch, num_devices=8)
+  starts = [seg.label.split("/")[-1] for seg in schedule.segments]
+  assert len(starts) > 10 and not any("norm" in s for s in starts), (name, starts)
+  assert sum("proj" in s or s in ("query", "intermediate", "output") for s in starts) > 8

@@ -513,7 +513,7 @@ class _State:
     if done:
       averaged = self.mean_over_devices(done)
       pending = {a: c for a, c in self.cts.items() if seg_lib.is_real_cotangent(c)}
-      if pending:
+      if pending and self.dp.s.data_parallel_size > 1:  # (one device: no all-reduce)
         averaged, pending = lax.optimization_barrier((averaged, pending))
         self.cts.update(pending)
       self.averaged.update(averaged)

@@ -10,8 +10,9 @@
    stack (`ParamEntry.stack`/`layer`: one [L, ...] leaf of the layout, as a scan's).
 3. Segments: the op list cut so that a segment starts where a bucket that is not yet in use
    is needed, and ends right after its last parameter use (releases come promptly).
-   Persistent trained parameters cut the same way, one group per owning module: each
-   segment's backward ends with the all-reduce of the persistent gradients it completed
+   Persistent trained parameters cut the same way, one group per owning module where its
+   gradient outweighs the activations the cut makes backward keep: each segment's
+   backward ends with the all-reduce of the persistent gradients it completed
    (ir.persistent_reductions), so they are not all live at once at the end. A scan
    with stacked parameters, or a rolled run of layers, is a segment of its own, run by a
    "loop" step.
@@ -42,6 +43,7 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from zjax._src import ir, loop_parts, loops, roll, tensor_comm, tensor_parallel
@@ -475,14 +477,47 @@ def _group_buckets(trace, persistent, frozen, stacked, layers_of
 
 def _gradient_groups(trace, entries) -> dict[int, int]:
   """Persistent trained parameters (outside rolled stacks) -> a negative segment key per
-  owning module. They cut segments as buckets do, so that each module's persistent
-  gradients are averaged right after the backward that completes them (the executor's
-  `_average_done_gradients`), not all at once at the end of the step, where every full
-  gradient of a data-parallel model would be live together."""
+  owning module, for the modules whose gradient is worth a cut of its own. Such a group
+  cuts segments as a bucket does, so that its gradients are averaged right after the
+  backward that completes them (the executor's `_average_done_gradients`), not with all the
+  others at the end of the step, where every full gradient of a data-parallel model would
+  be live together. A cut also makes backward keep the values that cross it (the next
+  segment's inputs): a module whose gradient is not larger than those (a norm's scale)
+  cuts nothing and is averaged with the segment it falls in."""
   owners: dict[str, int] = {}
-  return {p.index: -1 - owners.setdefault(p.owner, len(owners)) for p in trace.params
-          if entries[p.index].persistent and ir.has_gradient(entries[p.index]) and p.uses
-          and not entries[p.index].stack}
+  groups = {p.index: -1 - owners.setdefault(p.owner, len(owners)) for p in trace.params
+            if entries[p.index].persistent and ir.has_gradient(entries[p.index]) and p.uses
+            and not entries[p.index].stack}
+  members: dict[int, list[int]] = {}
+  for i, g in groups.items():
+    members.setdefault(g, []).append(i)
+  crossing = _crossing_bytes(trace.program)
+  worth = set()
+  for g, ids in members.items():
+    first = min(u.op for i in ids for u in trace.params[i].uses)
+    if sum(entries[i].size * jnp.dtype(entries[i].dtype).itemsize for i in ids) > \
+        crossing[first]:
+      worth.add(g)
+  return {i: g for i, g in groups.items() if g in worth}
+
+
+def _crossing_bytes(program) -> list[int]:
+  """Per op j: bytes of the values computed before op j and read at or after it."""
+  n = len(program.ops)
+  last = {a: j for j, op in enumerate(program.ops) for a in op.inputs if isinstance(a, int)}
+  last.update((a, n) for a in program.output_ids if isinstance(a, int))
+  change = np.zeros(n + 2, np.int64)
+  for j, op in enumerate(program.ops):
+    for v in op.outputs:
+      if last.get(v, -1) > j:
+        change[j + 1] += _nbytes(program.avals[v])
+        change[last[v] + 1] -= _nbytes(program.avals[v])
+  return np.cumsum(change)[:n + 1].tolist()
+
+
+def _nbytes(aval) -> int:
+  itemsize = getattr(getattr(aval, "dtype", None), "itemsize", 0)  # (0: a token, ...)
+  return int(np.prod(getattr(aval, "shape", ()), dtype=np.int64)) * itemsize
 
 
 def _make_segments(trace, bucket_of, loop_ranges=None) -> tuple[ir.Segment, ...]:
