@@ -12,8 +12,10 @@ same model and batch (issue 26: before, Llama-style 1.21x and BERT-style 1.09x).
 """
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
-from helpers import ATOL, RTOL, assert_trees_close, mesh_of
+from helpers import ATOL, RTOL, assert_trees_close, mesh_of, run_zjax
 from real_models import bert, gspmd_fsdp_temp, llama
 
 import zjax
@@ -74,3 +76,42 @@ def test_a_module_cuts_a_segment_only_when_its_gradient_outweighs_the_cut(model)
   starts = [seg.label.split("/")[-1] for seg in schedule.segments]
   assert len(starts) > 10 and not any("norm" in s for s in starts), (name, starts)
   assert sum("proj" in s or s in ("query", "intermediate", "output") for s in starts) > 8
+
+
+def odd_model(d=32, vocab=48):
+  """Tied embedding (read first and last), an unused leaf, an empty leaf, a bf16 scale and
+  a frozen-by-dtype integer leaf, all persistent under the defaults."""
+  k = jax.random.split(jax.random.key(31), 4)
+  params = {"embed": jax.random.normal(k[0], (vocab, d)) * 0.1,
+            "w1": jax.random.normal(k[1], (d, d)) / np.sqrt(d),
+            "w2": jax.random.normal(k[2], (d, d)) / np.sqrt(d),
+            "unused": jnp.ones((d, d)), "empty": jnp.zeros((0, d)),
+            "scale": jnp.ones((d,), jnp.bfloat16), "step": jnp.int32(3)}
+  tokens = jax.random.randint(k[3], (16, 9), 0, vocab)
+
+  def loss(p, b):
+    x = p["embed"][b["tokens"][:, :-1]] + jnp.sum(p["empty"], axis=0)
+    x = jnp.tanh(x @ p["w1"]) * p["scale"].astype(jnp.float32)
+    x = jnp.tanh(x @ p["w2"]) * p["step"].astype(jnp.float32) / 3
+    logp = jax.nn.log_softmax(x @ p["embed"].T)
+    return -jnp.take_along_axis(logp, b["tokens"][:, 1:, None], -1).mean()
+
+  return loss, params, {"tokens": tokens}
+
+
+@pytest.mark.parametrize("n", [8, 4])
+def test_tied_unused_empty_and_mixed_dtype_leaves(n):
+  loss_fn, params, batch = odd_model()
+  schedule, loss, grads, program = run_zjax(loss_fn, params, batch, n=n)
+  ref_loss, ref_grads = jax.value_and_grad(loss_fn, allow_int=True)(params, batch)
+  assert_trees_close(loss, ref_loss, rtol=RTOL, atol=0)
+  for key in ("embed", "w1", "w2", "unused", "empty"):
+    assert_trees_close(grads[key], ref_grads[key], rtol=RTOL, atol=ATOL)
+  assert_trees_close(grads["scale"].astype(jnp.float32),
+                     ref_grads["scale"].astype(jnp.float32), rtol=1e-2, atol=1e-2)  # bf16
+  report = schedule.report()
+  gradients = [c for c in zjax.hlo.collectives(program.as_text())
+               if c.kind == "all_reduce" and c.shape != "f32[]"]
+  assert len(gradients) == report["persistent_grad_all_reduce_count"] >= 1
+  expected = report["persistent_grad_all_reduce_bytes"]
+  assert expected <= sum(c.bytes for c in gradients) <= expected + 4

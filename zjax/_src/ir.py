@@ -277,11 +277,12 @@ def has_gradient(item) -> bool:
 def persistent_reductions(params, segments) -> dict[int, tuple[int, ...]]:
   """Segment -> the persistent trained parameters whose gradient its backward completes
   (the segment of their first use; a rolled stack's layers: their loop's). The executor
-  averages them right after that backward, in one all-reduce per segment."""
+  averages them right after that backward, in one all-reduce per segment (an empty one
+  has nothing to reduce)."""
   segment_of = {op: seg.id for seg in segments for op in range(seg.start, seg.end)}
   out: dict[int, list[int]] = {}
   for i, p in enumerate(params):
-    if p.persistent and has_gradient(p) and p.uses:
+    if p.persistent and has_gradient(p) and p.uses and p.size:
       out.setdefault(segment_of[min(p.uses)], []).append(i)
   return {k: tuple(v) for k, v in out.items()}
 
