@@ -2,7 +2,7 @@
 
 import re
 
-from zjax._src import ir
+from zjax._src import ir, report
 
 
 def format_bytes(n: int) -> str:
@@ -72,6 +72,9 @@ def _loop_rows(s, sim, phase, i, step, live_after):
   rows = [(str(i), phase, f"loop x{step.length}", "", "",
            f"segment {seg.id} ops [{seg.start},{seg.end}) {seg.label}, per iteration:".rstrip(),
            "", format_bytes(live_after))]
+  if phase == "bwd":  # (the loop's persistent gradients are averaged after it)
+    rows[0] = rows[0][:5] + (rows[0][5].replace(", per iteration:", _reduction_note(
+        s, seg.id) + ", per iteration:"),) + rows[0][6:]
   for j, inner in enumerate(step.body):
     row = (_part_row(step, inner, phase) if inner.part is not None else
            _step_row(s, sim, phase, j, inner, None))
@@ -79,6 +82,15 @@ def _loop_rows(s, sim, phase, i, step, live_after):
     rows.append((f"{i}.{j}", phase, "  " + ahead,
                  *row[3:7], ""))
   return rows
+
+
+def _reduction_note(s, segment) -> str:
+  """What a segment's backward ends with besides its steps: the all-reduce of the
+  persistent gradients it completed (report.persistent_reduction_bytes_by_segment)."""
+  reduced = report.persistent_reduction_bytes_by_segment(s).get(segment)
+  if not reduced or s.data_parallel_size == 1:
+    return ""
+  return f", then all-reduce of the persistent gradients done ({format_bytes(reduced)})"
 
 
 def _part_row(loop, step, phase):
@@ -93,8 +105,10 @@ def _step_row(s, sim, phase, i, step, live_after):
   if step.op == "compute":
     seg = s.segments[step.segment]
     what = f"segment {seg.id} ops [{seg.start},{seg.end}) {seg.label}".rstrip()
-    return (str(i), phase, "compute" if phase == "fwd" else "compute_vjp", "", "", what, "",
-            format_bytes(live_after) if live_after is not None else "")
+    if phase == "bwd":
+      what += _reduction_note(s, seg.id)
+    return (str(i), phase, "compute" if phase == "fwd" else "compute_vjp", "", "", what,
+            "", format_bytes(live_after) if live_after is not None else "")
   bucket = s.buckets[step.bucket]
   names = ",".join(leaf_name(p) for p in bucket.params)
   long_phase = "backward" if phase == "bwd" else "forward"

@@ -134,9 +134,14 @@ def persistent_reductions_bytes(s) -> list[int]:
   """Bytes of each persistent-gradient all-reduce, in the order backward runs them (one per
   segment that completes persistent gradients, ir.persistent_reductions); a gradient of a
   parameter that is never used is zero and not reduced."""
-  done = ir.persistent_reductions(s.params, s.segments)
-  return [sum(_persistent_reduced_bytes(s, s.params[i]) for i in done[k])
-          for k in sorted(done, reverse=True)]
+  by_segment = persistent_reduction_bytes_by_segment(s)
+  return [by_segment[k] for k in sorted(by_segment, reverse=True)]
+
+
+def persistent_reduction_bytes_by_segment(s) -> dict[int, int]:
+  """Segment -> bytes of the persistent gradients all-reduced after its backward."""
+  return {k: sum(_persistent_reduced_bytes(s, s.params[i]) for i in members)
+          for k, members in ir.persistent_reductions(s.params, s.segments).items()}
 
 
 def _persistent_reduced_bytes(s, p) -> int:
