@@ -274,6 +274,12 @@ def has_gradient(item) -> bool:
   return is_float(item.dtype) and not item.frozen
 
 
+def aval_bytes(aval) -> int:
+  """Bytes of a value of abstract value `aval` (0 for one without data: a token)."""
+  itemsize = getattr(getattr(aval, "dtype", None), "itemsize", 0)
+  return int(np.prod(getattr(aval, "shape", ()), dtype=np.int64)) * itemsize
+
+
 def persistent_reductions(params, segments) -> dict[int, tuple[int, ...]]:
   """Segment -> the persistent trained parameters whose gradient its backward completes
   (the segment of their first use; a rolled stack's layers: their loop's). The executor

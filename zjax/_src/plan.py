@@ -484,21 +484,19 @@ def _gradient_groups(trace, entries) -> dict[int, int]:
   be live together. A cut also makes backward keep the values that cross it (the next
   segment's inputs): a module whose gradient is not larger than those (a norm's scale)
   cuts nothing and is averaged with the segment it falls in."""
-  owners: dict[str, int] = {}
-  groups = {p.index: -1 - owners.setdefault(p.owner, len(owners)) for p in trace.params
-            if entries[p.index].persistent and ir.has_gradient(entries[p.index]) and p.uses
-            and not entries[p.index].stack}
-  members: dict[int, list[int]] = {}
-  for i, g in groups.items():
-    members.setdefault(g, []).append(i)
+  members: dict[str, list[int]] = {}  # owning module -> its persistent trained leaves
+  for p in trace.params:
+    e = entries[p.index]
+    if e.persistent and ir.has_gradient(e) and p.uses and not e.stack:
+      members.setdefault(p.owner, []).append(p.index)
   crossing = _crossing_bytes(trace.program)
-  worth = set()
-  for g, ids in members.items():
+  groups = {}
+  for g, ids in enumerate(members.values()):
     first = min(u.op for i in ids for u in trace.params[i].uses)
     if sum(entries[i].size * jnp.dtype(entries[i].dtype).itemsize for i in ids) > \
         crossing[first]:
-      worth.add(g)
-  return {i: g for i, g in groups.items() if g in worth}
+      groups.update((i, -1 - g) for i in ids)
+  return groups
 
 
 def _crossing_bytes(program) -> list[int]:
@@ -510,14 +508,9 @@ def _crossing_bytes(program) -> list[int]:
   for j, op in enumerate(program.ops):
     for v in op.outputs:
       if last.get(v, -1) > j:
-        change[j + 1] += _nbytes(program.avals[v])
-        change[last[v] + 1] -= _nbytes(program.avals[v])
+        change[j + 1] += ir.aval_bytes(program.avals[v])
+        change[last[v] + 1] -= ir.aval_bytes(program.avals[v])
   return np.cumsum(change)[:n + 1].tolist()
-
-
-def _nbytes(aval) -> int:
-  itemsize = getattr(getattr(aval, "dtype", None), "itemsize", 0)  # (0: a token, ...)
-  return int(np.prod(getattr(aval, "shape", ()), dtype=np.int64)) * itemsize
 
 
 def _make_segments(trace, bucket_of, loop_ranges=None) -> tuple[ir.Segment, ...]:

@@ -20,18 +20,21 @@ def render_schedule(s, sim) -> str:
           f"params ({sum(p.persistent for p in s.params)} persistent), {len(s.buckets)} "
           f"buckets, {len(s.segments)} segments, fingerprint {s.fingerprint[:12]}")
   rows = [("step", "phase", "op", "axes", "bucket", "what", "bytes", "live after")]
+  notes = {k: _reduction_note(s, n) for k, n in
+           report.persistent_reduction_bytes_by_segment(s).items()}
   for phase, steps, live in (("fwd", s.forward, sim.forward_live),
                              ("bwd", s.backward, sim.backward_live)):
+    ends = notes if phase == "bwd" else {}  # what a segment's backward ends with
     for i, (step, live_after) in enumerate(zip(steps, live)):
       if step.op == ir.LOOP_OP:
-        rows += _loop_rows(s, sim, phase, i, step, live_after)
+        rows += _loop_rows(s, sim, phase, i, step, live_after, ends.get(step.segment, ""))
       else:
-        rows.append(_step_row(s, sim, phase, i, step, live_after))
+        rows.append(_step_row(s, sim, phase, i, step, live_after,
+                              ends.get(step.segment, "")))
   if len(s.config.data_axes) == 1:  # every collective spans the one axis: no column
     rows = [r[:3] + r[4:] for r in rows]
   rolling = "".join(f"\nlayer rolling: {note}" for note in s.rolling)
-  notes = "".join(f"\nnote: {note}" for note in s.notes)
-  return head + "\n" + table(rows) + rolling + notes
+  return head + "\n" + table(rows) + rolling + "".join(f"\nnote: {n}" for n in s.notes)
 
 
 def _layout_words(s) -> str:
@@ -64,17 +67,14 @@ def _axes_cell(s, step, phase) -> str:
   return cell + (f", mean over {ir.axes_key(info['mean_over'])}" if "mean_over" in info else "")
 
 
-def _loop_rows(s, sim, phase, i, step, live_after):
+def _loop_rows(s, sim, phase, i, step, live_after, end=""):
   """A loop step, then its body indented: these steps run once per iteration; a prefetched
   gather fetches the next iteration's layer (the first one before the loop), or in a body
   cut into parts a later part's bucket."""
   seg = s.segments[step.segment]
   rows = [(str(i), phase, f"loop x{step.length}", "", "",
-           f"segment {seg.id} ops [{seg.start},{seg.end}) {seg.label}, per iteration:".rstrip(),
-           "", format_bytes(live_after))]
-  if phase == "bwd":  # (the loop's persistent gradients are averaged after it)
-    rows[0] = rows[0][:5] + (rows[0][5].replace(", per iteration:", _reduction_note(
-        s, seg.id) + ", per iteration:"),) + rows[0][6:]
+           f"segment {seg.id} ops [{seg.start},{seg.end}) {seg.label}".rstrip() + end +
+           ", per iteration:", "", format_bytes(live_after))]
   for j, inner in enumerate(step.body):
     row = (_part_row(step, inner, phase) if inner.part is not None else
            _step_row(s, sim, phase, j, inner, None))
@@ -84,10 +84,9 @@ def _loop_rows(s, sim, phase, i, step, live_after):
   return rows
 
 
-def _reduction_note(s, segment) -> str:
+def _reduction_note(s, reduced: int) -> str:
   """What a segment's backward ends with besides its steps: the all-reduce of the
-  persistent gradients it completed (report.persistent_reduction_bytes_by_segment)."""
-  reduced = report.persistent_reduction_bytes_by_segment(s).get(segment)
+  `reduced` bytes of persistent gradients it completed (none on one device)."""
   if not reduced or s.data_parallel_size == 1:
     return ""
   return f", then all-reduce of the persistent gradients done ({format_bytes(reduced)})"
@@ -101,12 +100,10 @@ def _part_row(loop, step, phase):
           f"part {part.id} ops [{part.start},{part.end}) {part.label}".rstrip(), "", "")
 
 
-def _step_row(s, sim, phase, i, step, live_after):
+def _step_row(s, sim, phase, i, step, live_after, end=""):
   if step.op == "compute":
     seg = s.segments[step.segment]
-    what = f"segment {seg.id} ops [{seg.start},{seg.end}) {seg.label}".rstrip()
-    if phase == "bwd":
-      what += _reduction_note(s, seg.id)
+    what = f"segment {seg.id} ops [{seg.start},{seg.end}) {seg.label}".rstrip() + end
     return (str(i), phase, "compute" if phase == "fwd" else "compute_vjp", "", "", what,
             "", format_bytes(live_after) if live_after is not None else "")
   bucket = s.buckets[step.bucket]

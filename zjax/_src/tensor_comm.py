@@ -153,8 +153,7 @@ class _Walk:
             for kind, phase, size in inner.run(nodes)]
 
   def _bytes(self, value) -> int:
-    aval = self.aval_of(value)
-    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+    return ir.aval_bytes(self.aval_of(value))
 
 
 def _scan_backward_signatures(eqn, differentiated) -> set:
@@ -209,8 +208,3 @@ def _reshaped_dim(shape, dim, new_shape) -> int | None:
       return k
     prefix *= n
   return None
-
-
-def _bytes(program, value) -> int:
-  aval = program.avals[value]
-  return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
