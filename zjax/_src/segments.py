@@ -98,11 +98,11 @@ def needs_gradient(program: FlatProgram, trained: list[bool]) -> set[int]:
 # recompute) and recompute elementwise work in backward. Measured on the 8-layer GPT example
 # (8 devices): per-device temp 14.3 -> 8.3 MiB at the same step time (keeping everything that
 # jax.vjp saves per segment duplicates residuals that one whole-program vjp would share).
-_SAVED_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
+SAVED_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
 
 
 def _save_matmul_outputs(prim, *_, **__) -> bool:
-  return prim.name in _SAVED_PRIMITIVES
+  return prim.name in SAVED_PRIMITIVES
 
 
 def segment_fn(io: SegmentIO):
