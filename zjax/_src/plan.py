@@ -570,8 +570,8 @@ def _make_segments(trace, bucket_of, loop_ranges=None) -> tuple[ir.Segment, ...]
 
 
 def _cheapest_cut(program, last_read, start: int, lo: int, hi: int) -> int:
-  """Where to end the segment that starts at op `start`: right after its last parameter
-  use (op lo) or later, up to op hi (the next parameter use, or the first op that is not
+  """Where to end the segment that starts at op `start`: at op lo (right after its last
+  parameter use, op lo - 1) or later, up to op hi (the next parameter use, or the first op that is not
   elementwise), wherever the fewest bytes cross that only this cut makes backward keep;
   the earliest of equals. The next segment saves what crosses for its recompute. Not
   counted: a value computed before the segment or read after op hi (some segment's input
@@ -585,8 +585,9 @@ def _cheapest_cut(program, last_read, start: int, lo: int, hi: int) -> int:
   best, best_bytes = lo, None
   for j in range(lo, hi + 1):
     crossing = {v: b for v, b in crossing.items() if last_read[v] >= j}
-    if best_bytes is None or sum(crossing.values()) < best_bytes:
-      best, best_bytes = j, sum(crossing.values())
+    kept = sum(crossing.values())
+    if best_bytes is None or kept < best_bytes:
+      best, best_bytes = j, kept
     _add_computed(program, j, j + 1, hi, last_read, crossing)
   return best
 
