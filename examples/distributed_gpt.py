@@ -37,6 +37,8 @@ p.add_argument("--layers", default="2", help="layers, or one count per process (
 p.add_argument("--save", default=None, help="checkpoint directory to save the end state to")
 p.add_argument("--restore", default=None, help="checkpoint directory to start from")
 p.add_argument("--die-at-step", type=int, default=None, help="process 1 exits there (a test)")
+p.add_argument("--fail-at-step", type=int, default=None, help="process 1 raises there, while "
+               "process 0 waits for it in the step's collectives (a test)")
 p.add_argument("--hsdp", action="store_true", help="shard over the devices of a process, "
                "replicate across processes (2 x 4 in one process)")
 p.add_argument("--hpz", action="store_true", help="hpZ on the --hsdp mesh: storage over both "
@@ -95,6 +97,9 @@ losses, seconds, preempted_at = [], [], None
 for step in range(first_step, args.steps):
   if args.die_at_step == step and jax.process_index() == 1:
     os._exit(9)  # a crash: no cleanup, no goodbye to the others
+  if args.fail_at_step == step and jax.process_index() == 1:
+    print(f"failing at step {step} (t={time.time():.1f})", flush=True)
+    raise RuntimeError(f"a test's failure at step {step}")  # exits through JAX's shutdown
   start = time.perf_counter()
   batch = zjax.distributed.global_batch(local_rows(step), mesh, config.data_axes)
   state, metrics = trainer.step(state, batch)

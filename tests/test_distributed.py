@@ -1,6 +1,7 @@
 """Several processes as one run (jax.distributed, gloo on CPU), started by `zjax launch`:
 2 processes x 4 devices train like 1 process x 8, checkpoints cross process counts, a
-process with another model fails fast, a dead process stops the run within the timeout.
+process with another model fails fast, a dead or failing process stops the run within the
+timeout.
 Each run is a subprocess (a process joins jax.distributed once); offloaded optimizer state
 and parameters work across processes too."""
 
@@ -9,6 +10,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -98,6 +100,19 @@ def test_a_dead_process_stops_the_run_within_the_timeout():
   assert "process 1 exited with code 9" in done.stderr, done.stderr[-3000:]
   stopped = float(re.search(r"stopped ([\d.]+) s after", done.stderr).group(1))
   assert stopped <= 10 + 5, done.stderr[-2000:]
+
+
+def test_a_failing_process_stops_the_run_within_the_timeout():
+  """Process 1 raises while process 0 waits for it in a collective: process 1 leaves
+  through jax.distributed's shutdown, which waits for the others (300 s by default, which
+  hung the run), and stops the run when that times out."""
+  done = launch("--steps", "6", "--fail-at-step", "2", timeout=10)
+  ended = time.time()
+  assert done.returncode != 0
+  assert "zjax launch: run failed; all processes stopped" in done.stderr, done.stderr[-3000:]
+  failed = float(re.search(r"failing at step 2 \(t=([\d.]+)\)", done.stdout).group(1))
+  # shutdown's 10 s, the launcher's 10 s for process 0, and slack for a loaded machine
+  assert ended - failed <= 10 + 10 + 30, (ended - failed, done.stderr[-2000:])
 
 
 def test_a_plain_run_does_not_join_anything():

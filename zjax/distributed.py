@@ -37,11 +37,16 @@ def initialize() -> bool:
   setup(local)  # simulated CPU devices (the CPU backend only)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   timeout = int(float(os.environ.get(ENV_TIMEOUT, "60")))
+  # The shutdown timeout too: a process that fails (an exception, a collective's error)
+  # leaves through jax.distributed's shutdown, which waits for every other process to
+  # shut down as well (300 s by default); the others may be blocked in a collective that
+  # waits for it, so the launcher, which acts on an exit, saw nothing and the run hung.
   jax.distributed.initialize(
       coordinator_address=os.environ[ENV_COORDINATOR],
       num_processes=int(os.environ[ENV_NUM_PROCESSES]),
       process_id=int(os.environ[ENV_PROCESS_ID]),
-      initialization_timeout=timeout, heartbeat_timeout_seconds=timeout)
+      initialization_timeout=timeout, heartbeat_timeout_seconds=timeout,
+      shutdown_timeout_seconds=timeout)
   return True
 
 

@@ -73,12 +73,15 @@ def _wait(processes, timeout) -> int:
   """0 if every process succeeds; else the first failure's code, after giving the others
   `timeout` seconds to finish (they are killed after that)."""
   failed_at, code = None, 0
-  while any(p.poll() is None for p in processes):
-    for rank, p in enumerate(processes):
-      if p.poll() not in (None, 0) and failed_at is None:
-        failed_at, code = time.monotonic(), p.returncode
-        print(f"zjax launch: process {rank} exited with code {p.returncode}; waiting up to "
+  while True:
+    codes = [p.poll() for p in processes]  # one look, so that processes that end together
+    for rank, c in enumerate(codes):      # still have their failure reported
+      if c not in (None, 0) and failed_at is None:
+        failed_at, code = time.monotonic(), c
+        print(f"zjax launch: process {rank} exited with code {c}; waiting up to "
               f"{timeout:g} s for the others", file=sys.stderr)
+    if None not in codes:
+      break
     if failed_at is not None and time.monotonic() - failed_at > timeout:
       for rank, p in enumerate(processes):
         if p.poll() is None:
