@@ -3,6 +3,7 @@ architectures), as test fixtures: each is a `Case` with a loss, params, a batch,
 non-parameter state (`extra`) and the plain single-device loss to compare with.
 
   resnet_syncbn  ResNet blocks with BatchNorm(axis_name="fsdp") (synchronised statistics)
+  resnet18       the same blocks in ResNet-18's layout (not in CASES: slow to compile)
   encdec         encoder-decoder, one embedding shared by encoder, decoder and output
   nnx_gqa        NNX decoder: grouped-query attention, qk-norm, sliding-window and global
                  layers, logit soft-caps, tied embedding
@@ -72,26 +73,33 @@ def cross_entropy(logits, labels):
 
 # ---- ResNet with synchronised BatchNorm -------------------------------------------------
 class ResNet(nn.Module):
+  """Basic-block ResNet: per stage (features, stride of its first block), `blocks` each."""
   axis_name: str | None = "fsdp"
+  stages: tuple = ((8, 1), (16, 2))
+  blocks: int = 1
 
   @nn.compact
   def __call__(self, x, train: bool = True):
     norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9,
                              axis_name=self.axis_name if train else None)
-    x = nn.relu(norm()(nn.Conv(8, (3, 3), use_bias=False)(x)))
-    for features, strides in ((8, 1), (16, 2)):
-      y = nn.relu(norm()(nn.Conv(features, (3, 3), strides, use_bias=False)(x)))
-      y = norm(scale_init=nn.initializers.zeros)(nn.Conv(features, (3, 3), use_bias=False)(y))
-      if strides != 1 or x.shape[-1] != features:
-        x = norm()(nn.Conv(features, (1, 1), strides, use_bias=False)(x))
-      x = nn.relu(x + y)
+    x = nn.relu(norm()(nn.Conv(self.stages[0][0], (3, 3), use_bias=False)(x)))
+    for features, first_stride in self.stages:
+      for block in range(self.blocks):
+        strides = first_stride if block == 0 else 1
+        y = nn.relu(norm()(nn.Conv(features, (3, 3), strides, use_bias=False)(x)))
+        y = norm(scale_init=nn.initializers.zeros)(
+            nn.Conv(features, (3, 3), use_bias=False)(y))
+        if strides != 1 or x.shape[-1] != features:
+          x = norm()(nn.Conv(features, (1, 1), strides, use_bias=False)(x))
+        x = nn.relu(x + y)
     return nn.Dense(10)(x.mean(axis=(1, 2)))
 
 
-def resnet_syncbn(batch_size=16, axis_name="fsdp") -> Case:
-  """`axis_name`: the data axes BatchNorm synchronises over (all of them, under HSDP)."""
-  model, plain = ResNet(axis_name=axis_name), ResNet(axis_name=None)
-  x = jax.random.normal(jax.random.key(0), (batch_size, 8, 8, 3))
+def resnet_syncbn(batch_size=16, axis_name="fsdp", image=8, **arch) -> Case:
+  """`axis_name`: the data axes BatchNorm synchronises over (all of them, under HSDP);
+  `arch`: ResNet's stages and blocks."""
+  model, plain = ResNet(axis_name=axis_name, **arch), ResNet(axis_name=None, **arch)
+  x = jax.random.normal(jax.random.key(0), (batch_size, image, image, 3))
   batch = {"x": x, "y": jnp.arange(batch_size) % 10}
   variables = plain.init(jax.random.key(1), x, train=False)
   # non-trivial statistics: one full-batch update from the initial ones
@@ -105,6 +113,13 @@ def resnet_syncbn(batch_size=16, axis_name="fsdp") -> Case:
     return loss_fn
 
   return Case(make_loss(model), variables["params"], batch, dict(stats), make_loss(plain))
+
+
+def resnet18(batch_size=16, width=16, image=32) -> Case:
+  """ResNet-18's layout (4 stages of 2 basic blocks, widths w, 2w, 4w, 8w) with sync
+  BatchNorm, on `image` x `image` inputs."""
+  stages = ((width, 1), (2 * width, 2), (4 * width, 2), (8 * width, 2))
+  return resnet_syncbn(batch_size, image=image, stages=stages, blocks=2)
 
 
 # ---- encoder-decoder with one shared embedding ------------------------------------------
