@@ -14,6 +14,7 @@ Each process feeds its own rows of the global batch with `global_batch(local, me
 """
 
 import os
+import sys
 
 import numpy as np
 
@@ -37,17 +38,30 @@ def initialize() -> bool:
   setup(local)  # simulated CPU devices (the CPU backend only)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   timeout = int(float(os.environ.get(ENV_TIMEOUT, "60")))
-  # The shutdown timeout too: a process that fails (an exception, a collective's error)
-  # leaves through jax.distributed's shutdown, which waits for every other process to
-  # shut down as well (300 s by default); the others may be blocked in a collective that
-  # waits for it, so the launcher, which acts on an exit, saw nothing and the run hung.
   jax.distributed.initialize(
       coordinator_address=os.environ[ENV_COORDINATOR],
       num_processes=int(os.environ[ENV_NUM_PROCESSES]),
       process_id=int(os.environ[ENV_PROCESS_ID]),
-      initialization_timeout=timeout, heartbeat_timeout_seconds=timeout,
-      shutdown_timeout_seconds=timeout)
+      initialization_timeout=timeout, heartbeat_timeout_seconds=timeout)
+  _exit_at_once_on_error()
   return True
+
+
+def _exit_at_once_on_error():
+  """An uncaught exception ends this process right after its traceback. Python's normal
+  exit runs jax.distributed's shutdown, which waits (300 s) for every other process to shut
+  down too, while they may be blocked in a collective that waits for this one: nothing
+  exited, so `zjax launch` (which stops the others `--timeout` seconds after a process
+  exits) could not act, and the run hung."""
+  previous = sys.excepthook
+
+  def hook(kind, value, traceback):
+    previous(kind, value, traceback)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+  sys.excepthook = hook
 
 
 def global_batch(local_batch, mesh, axis="fsdp"):

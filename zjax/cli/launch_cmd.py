@@ -72,14 +72,17 @@ def _stream(proc, rank):
 def _wait(processes, timeout) -> int:
   """0 if every process succeeds; else the first failure's code, after giving the others
   `timeout` seconds to finish (they are killed after that)."""
-  failed_at, code = None, 0
+  failed_at, code, reported = None, 0, set()
   while True:
     codes = [p.poll() for p in processes]  # one look, so that processes that end together
-    for rank, c in enumerate(codes):      # still have their failure reported
-      if c not in (None, 0) and failed_at is None:
-        failed_at, code = time.monotonic(), c
-        print(f"zjax launch: process {rank} exited with code {c}; waiting up to "
-              f"{timeout:g} s for the others", file=sys.stderr)
+    for rank, c in enumerate(codes):      # still have their failures reported
+      if c not in (None, 0) and rank not in reported:
+        reported.add(rank)
+        wait = ""
+        if failed_at is None:
+          failed_at, code = time.monotonic(), c
+          wait = f"; waiting up to {timeout:g} s for the others"
+        print(f"zjax launch: process {rank} exited with code {c}{wait}", file=sys.stderr)
     if None not in codes:
       break
     if failed_at is not None and time.monotonic() - failed_at > timeout:
