@@ -571,14 +571,14 @@ def _make_segments(trace, bucket_of, loop_ranges=None) -> tuple[ir.Segment, ...]
 
 def _cheapest_cut(program, last_read, start: int, lo: int, hi: int) -> int:
   """Where to end the segment that starts at op `start`: at op lo (right after its last
-  parameter use, op lo - 1) or later, up to op hi (the next parameter use, or the first op that is not
-  elementwise), wherever the fewest bytes cross that only this cut makes backward keep;
-  the earliest of equals. The next segment saves what crosses for its recompute. Not
-  counted: a value computed before the segment or read after op hi (some segment's input
-  wherever this cut goes) and a matmul's output (the residual policy keeps it). So a cut
-  after a BatchNorm moves past its ReLU when a residual add reads the ReLU's output: it
-  would otherwise keep both. Moving cuts further (over a norm's statistics, attention's
-  matmuls) grew the recompute of the segment before: BERT-style 93 -> 123 KiB."""
+  parameter use, op lo - 1) or later, up to op hi (the next parameter use, or the first op
+  that is not elementwise), wherever the fewest bytes cross that only this cut makes
+  backward keep; the earliest of equals. The next segment saves what crosses for its
+  recompute. Not counted: a value computed before the segment or read after op hi (some
+  segment's input wherever this cut goes) and a matmul's output (the residual policy keeps
+  it). So a cut after a BatchNorm moves past its ReLU when a residual add reads the ReLU's
+  output: it would otherwise keep both. Moving cuts further (over a norm's statistics,
+  attention's matmuls) grew the recompute of the segment before: BERT-style 93 -> 123 KiB."""
   crossing = {}  # value id -> bytes, of the values computed in [start, j) read in [j, hi]
   for k in range(start, lo):
     _add_computed(program, k, lo, hi, last_read, crossing)
