@@ -60,11 +60,14 @@ def gpt_case():
 
 MODELS = {"gpt": gpt_case, **real_models.CASES, **real_models.STRESS_CASES,
           "llama": real_models.llama, "bert": real_models.bert, "mlp5": real_models.mlp5,
-          # ResNet-18's layout on 32x32 images at a quarter and an eighth of its width
-          # (activations dominate), and at half its width on 16x16 images (weights dominate)
+          # ResNet-18's layout on 32x32 images at a quarter, an eighth and a sixteenth of its
+          # width (activations dominate), at half its width on 16x16 images and at its full
+          # width (weights dominate)
           "resnet18": real_models.resnet18,
           "resnet18_narrow": functools.partial(real_models.resnet18, width=8),
-          "resnet18_wide": functools.partial(real_models.resnet18, width=32, image=16)}
+          "resnet18_w4": functools.partial(real_models.resnet18, width=4),
+          "resnet18_wide": functools.partial(real_models.resnet18, width=32, image=16),
+          "resnet18_full": functools.partial(real_models.resnet18, width=64)}
 
 
 def mesh(axis_type=jax.sharding.AxisType.Explicit):

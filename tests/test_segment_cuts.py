@@ -72,7 +72,8 @@ def relu_input_and_output_both_kept(case, schedule) -> list:
   """The ReLUs whose input and output both cross a cut (are some segment's input)."""
   program = trace.trace_for_schedule(case.loss_fn, case.params, case.batch, SHARDED,
                                      {"fsdp": 8}, extra=case.extra).program
-  ios = segments.analyze(program, schedule.segments, [True] * len(schedule.params)).ios
+  ios = segments.analyze(program, schedule.segments, [True] * len(schedule.params),
+                         [e.persistent for e in schedule.params]).ios
   kept = {a for io in ios for a in io.act_inputs}
   return [k for k, op in enumerate(program.ops) if op.primitive == "custom_jvp_call"
           and op.inputs[0] in kept and op.outputs[0] in kept]

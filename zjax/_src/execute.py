@@ -150,9 +150,11 @@ class _DeviceProgram:
     self.secondary_partition = config.secondary_partition  # hpZ
     self.tensor_axis = config.tensor_axes[0] if config.tensor_axes else None
     analysis = seg_lib.analyze(program, schedule.segments,
-                               [ir.has_gradient(p) for p in schedule.params])
+                               [ir.has_gradient(p) for p in schedule.params],
+                               [p.persistent for p in schedule.params])
     self.chains, self.segments = analysis.chains, analysis.ios
     self.diff_params, self.diff_acts = analysis.diff_params, analysis.diff_acts
+    self.replicated = analysis.replicated
     index = {p.path: i for i, p in enumerate(schedule.params)}
     self.members = [[index[path] for path in b.params] for b in schedule.buckets]
     # parameter index -> the storage leaf holding it (a rolled stack: its layer 0's index)
@@ -425,7 +427,7 @@ class _State:
     acts = [self.read(a) for a in io.act_inputs]
     params, acts = lax.optimization_barrier((params, acts)) if params else (params, acts)
     outs, vjp_fn = seg_lib.segment_vjp(io, params, acts, self.dp.diff_params[k],
-                                       self.dp.diff_acts[k])
+                                       self.dp.diff_acts[k], self.dp.replicated[k])
     self.vjps[k] = seg_lib.strip_params(vjp_fn, params)
     self.env.update(zip(io.outputs, outs))
     if outs:

@@ -210,13 +210,12 @@ def _plan_with(trace, config, axis_sizes, frozen, platform, rolling, tensor) -> 
                 stacked=members[0] in stacked or members[0] in layers_of,
                 layers=_layer_paths(trace, members, layers_of))
       for b, (module, dtype, is_frozen, _, members) in enumerate(groups))
-  trained = [ir.has_gradient(e) for e in entries]
   loop_ranges = {op: op + 1 for op in stacked.values()}  # a scan: one op
   loop_ranges.update((run.start, run.end) for run in rolling.runs)
   segments = _make_segments(trace, {**bucket_of, **_gradient_groups(trace, entries)},
                             loop_ranges)
   split = frozenset(i for i, e in enumerate(entries) if e.tensor_dim is not None)
-  segments, recomputed_lookups = _with_backward_buckets(segments, trace, bucket_of, trained,
+  segments, recomputed_lookups = _with_backward_buckets(segments, trace, bucket_of, entries,
                                                         loop_ranges, split)
   elements = [sum(ir.gathered_elements(entries[i], num_devices) for i in members)
               for *_, members in groups]
@@ -615,14 +614,15 @@ def _last_reads(program) -> dict[int, int]:
   return last
 
 
-def _with_backward_buckets(segments, trace, bucket_of, trained, loop_ranges=None,
+def _with_backward_buckets(segments, trace, bucket_of, entries, loop_ranges=None,
                            split=frozenset()):
   """Fill each segment's backward_buckets: the buckets its vjp reads (see segments.py). A
   loop's backward recomputes each iteration, so it reads all its buckets. Also returns, per
   segment, the parameters in `bucket_of` or `split` (tensor-split, persistent or not) that
   a lookup (gather) the vjp recomputes reads: tensor_comm counts those lookups' collectives."""
   program = trace.program
-  a = seg_lib.analyze(program, segments, trained)
+  a = seg_lib.analyze(program, segments, [ir.has_gradient(e) for e in entries],
+                      [e.persistent for e in entries])
   out, reads = [], []
   for k, (seg, io) in enumerate(zip(segments, a.ios)):
     if (loop_ranges or {}).get(seg.start) == seg.end:
@@ -632,7 +632,8 @@ def _with_backward_buckets(segments, trace, bucket_of, trained, loop_ranges=None
     params = [a.chains[v][0] for v in io.param_inputs]
     asked = [j for j, i in enumerate(params) if i in bucket_of or i in split]
     needed, looked_up = (seg_lib.backward_param_reads(io, program.avals, a.diff_params[k],
-                                                      a.diff_acts[k]) if asked else ((), ()))
+                                                      a.diff_acts[k], a.replicated[k])
+                         if asked else ((), ()))
     backward = {bucket_of[params[j]] for j in needed if params[j] in bucket_of}
     out.append(dataclasses.replace(seg, backward_buckets=tuple(sorted(backward))))
     reads.append(frozenset(params[j] for j in looked_up if j in asked))
