@@ -107,6 +107,22 @@ def assert_trees_close(a, b, *, rtol=RTOL, atol=ATOL):
                                atol=atol, err_msg=jax.tree_util.keystr(path))
 
 
+def assert_report_matches(schedule, compiled):
+  """The compiled program's all-gathers and reduce-scatters equal the schedule's report in
+  count and bytes, and so do its persistent-gradient all-reduces (XLA may combine the
+  loss's scalar into one of them: 4 bytes more)."""
+  report, text = schedule.report(), compiled.as_text()
+  executed = zjax.hlo.executed(text)
+  for kind in ("all_gather", "reduce_scatter"):
+    assert (executed.get(f"{kind}_count", 0), executed.get(f"{kind}_bytes", 0)) == \
+        (report[f"{kind}_count"], report[f"{kind}_bytes"]), kind
+  gradients = [c for c in zjax.hlo.collectives(text)
+               if c.kind == "all_reduce" and c.shape != "f32[]"]  # (not the loss)
+  assert len(gradients) == report["persistent_grad_all_reduce_count"]
+  expected = report["persistent_grad_all_reduce_bytes"]
+  assert expected <= sum(c.bytes for c in gradients) <= expected + 4
+
+
 def mlp(num_layers=4, d=64, batch=16, seed=0):
   keys = jax.random.split(jax.random.key(seed), num_layers + 2)
   params = {f"layer{i}": {"kernel": jax.random.normal(keys[i], (d, d)) / np.sqrt(d),

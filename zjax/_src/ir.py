@@ -73,6 +73,9 @@ class ParamEntry:
   # slice flat and padded over the data axes, [T, padded] ([L, T, padded] if stacked).
   tensor_dim: int | None = None
   tensor_size: int = 1
+  # Trained, but the loss reads it only where no gradient flows (trace.gradient_free): its
+  # gradient is zero and never reduced; the optimizer still updates it (weight decay).
+  zero_gradient: bool = False
 
   def to_dict(self) -> dict:
     out = dataclasses.asdict(self)
@@ -80,6 +83,8 @@ class ParamEntry:
       del out["stack"], out["layer"]
     if self.tensor_dim is None:  # and before tensor parallelism
       del out["tensor_dim"], out["tensor_size"]
+    if not self.zero_gradient:  # and before gradient-free parameters
+      del out["zero_gradient"]
     return out
 
   @property
@@ -171,6 +176,13 @@ class Bucket:
   # A rolled run of identical layers (roll.py): each layer's parameter paths, layer 0's
   # being `params` (each parameter's layers are one stack of the layout). () otherwise.
   layers: tuple[tuple[str, ...], ...] = ()
+  zero_gradient: bool = False  # all its parameters have a zero gradient (never mixes)
+
+  def to_dict(self) -> dict:
+    out = dataclasses.asdict(self)
+    if not self.zero_gradient:  # the file stays as it was before gradient-free parameters
+      del out["zero_gradient"]
+    return out
 
   @property
   def loop_paths(self) -> tuple[str, ...]:
@@ -270,7 +282,14 @@ def is_float(dtype) -> bool:
 
 
 def has_gradient(item) -> bool:
-  """Whether a ParamEntry or Bucket is trained: floating point and not frozen."""
+  """Whether a ParamEntry or Bucket has a gradient to compute and reduce: trained, and read
+  where a gradient flows."""
+  return is_trained(item) and not item.zero_gradient
+
+
+def is_trained(item) -> bool:
+  """Whether a ParamEntry or Bucket is trained (the optimizer updates it): floating point
+  and not frozen."""
   return is_float(item.dtype) and not item.frozen
 
 

@@ -96,7 +96,7 @@ def _find_error(optimizer, schedule, mesh, treedef, trainable, reps, name) -> st
   try:
     return _probe(optimizer, schedule, auto, reps, *_trees_by_paths(schedule, reps), name)
   except _CannotRunNatural:  # needs the params' own structure (e.g. a label pytree)
-    trains = {p.path: ir.has_gradient(p) for p in schedule.params}
+    trains = {p.path: ir.is_trained(p) for p in schedule.params}
     mask = lambda tree: jax.tree_util.tree_map_with_path(
         lambda path, _: trains[jax.tree_util.keystr(path)], tree)
     order = [i for leaf in schedule.storage for i in leaf.members]  # the probe's order

@@ -55,7 +55,8 @@ from zjax._src import segments as seg_lib
 from zjax._src.config import ZeroConfig
 from zjax._src.errors import ScheduleError
 from zjax._src.schedule import Schedule, program_hash
-from zjax._src.trace import ProgramTrace, data_axis_bound, param_views, trace_for_schedule
+from zjax._src.trace import (ProgramTrace, data_axis_bound, gradient_free, param_views,
+                              trace_for_schedule)
 
 
 def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
@@ -186,11 +187,13 @@ def _plan_with(trace, config, axis_sizes, frozen, platform, rolling, tensor) -> 
   sharded = {p.index for p in trace.params if p.index not in persistent}
   stacked = loops.stacked_params(trace.program, trace.params, sharded)
   tensor = tensor_parallel.per_layer(trace, tensor, stacked)
+  zero_gradient = _zero_gradient(trace, frozen)
   if rolling is None:
-    rolling = _find_rolling(trace, config, persistent, frozen, set(stacked.values()), tensor)
+    rolling = _find_rolling(trace, config, persistent, frozen, zero_gradient,
+                            set(stacked.values()), tensor)
   layers_of = {run.stacked[p][0]: run.stacked[p] for run in rolling.runs
                for p in range(len(run.stacked)) if run.stacked[p][0] in sharded}
-  groups = _group_buckets(trace, persistent, frozen, stacked, layers_of)
+  groups = _group_buckets(trace, persistent, frozen, zero_gradient, stacked, layers_of)
   bucket_of = {i: b for b, (*_, members) in enumerate(groups) for i in members}
   bucket_of.update({i: bucket_of[layers[0]] for layers in layers_of.values() for i in layers})
   stack_of = {i: (trace.params[layers[0]].path, layer) for run in rolling.runs
@@ -202,14 +205,15 @@ def _plan_with(trace, config, axis_sizes, frozen, platform, rolling, tensor) -> 
                     stacked=p.index in stacked, stack=stack_of.get(p.index, ("", 0))[0],
                     layer=stack_of.get(p.index, ("", 0))[1],
                     tensor_dim=tensor.dim(p.index),
-                    tensor_size=tensor.size if tensor.dim(p.index) is not None else 1)
+                    tensor_size=tensor.size if tensor.dim(p.index) is not None else 1,
+                    zero_gradient=p.index in zero_gradient)
       for p in trace.params)
   buckets = tuple(
       ir.Bucket(id=b, module=module, dtype=dtype,
                 params=tuple(trace.params[i].path for i in members), frozen=is_frozen,
                 stacked=members[0] in stacked or members[0] in layers_of,
-                layers=_layer_paths(trace, members, layers_of))
-      for b, (module, dtype, is_frozen, _, members) in enumerate(groups))
+                layers=_layer_paths(trace, members, layers_of), zero_gradient=is_zero)
+      for b, (module, dtype, is_frozen, is_zero, _, members) in enumerate(groups))
   loop_ranges = {op: op + 1 for op in stacked.values()}  # a scan: one op
   loop_ranges.update((run.start, run.end) for run in rolling.runs)
   segments = _make_segments(trace, {**bucket_of, **_gradient_groups(trace, entries)},
@@ -388,11 +392,21 @@ def _peak(body, elements) -> int:
   return peak
 
 
-def _find_rolling(trace, config, persistent, frozen, loop_ops, tensor) -> roll.Rolling:
+def _zero_gradient(trace, frozen) -> frozenset[int]:
+  """Trained parameters that the loss reads, but only where no gradient flows
+  (trace.gradient_free): zero gradient, not reduced. (A parameter it never reads has no
+  uses, which says the same.)"""
+  free = gradient_free(trace.program, len(trace.params))
+  return frozenset(p.index for p in trace.params if p.index in free and p.uses and
+                   ir.is_float(p.dtype) and p.index not in frozen)
+
+
+def _find_rolling(trace, config, persistent, frozen, zero_gradient, loop_ops, tensor
+                  ) -> roll.Rolling:
   """Runs of identical layers to run as loops (roll.py), unless config.roll_layers is off."""
   if not config.roll_layers:
     return roll.Rolling((), ("layer rolling is off (ZeroConfig.roll_layers=False)",))
-  facts = roll.param_facts(trace.params, persistent, frozen, tensor.dims)
+  facts = roll.param_facts(trace.params, persistent, frozen, tensor.dims, zero_gradient)
   return roll.find_runs(trace.program, facts, excluded=loop_ops)
 
 
@@ -458,12 +472,12 @@ def resolve_axis_sizes(config, mesh=None, num_devices=None, replica_sizes=None,
   return {a: int(n) for a, n in axis_sizes.items()}
 
 
-def _group_buckets(trace, persistent, frozen, stacked, layers_of
-                   ) -> list[tuple[str, str, bool, Any, list[int]]]:
-  """(owner module, dtype, frozen, loop or None, param indices) per bucket, in order of
-  first use. Stacked parameters are bucketed per loop, apart from the others; a rolled
-  run's buckets hold its first layer's parameters (`layers_of`: first-layer parameter ->
-  its counterpart in every layer), standing for every layer."""
+def _group_buckets(trace, persistent, frozen, zero_gradient, stacked, layers_of
+                   ) -> list[tuple[str, str, bool, bool, Any, list[int]]]:
+  """(owner module, dtype, frozen, zero gradient, loop or None, param indices) per bucket,
+  in order of first use. Stacked parameters are bucketed per loop, apart from the others; a
+  rolled run's buckets hold its first layer's parameters (`layers_of`: first-layer
+  parameter -> its counterpart in every layer), standing for every layer."""
   later_layers = {i for layers in layers_of.values() for i in layers[1:]}
   used = [p for p in trace.params
           if p.uses and p.index not in persistent and p.index not in later_layers]
@@ -472,7 +486,7 @@ def _group_buckets(trace, persistent, frozen, stacked, layers_of
   for p in used:
     loop = stacked.get(p.index, ("rolled", len(layers_of[p.index])) if p.index in layers_of
                        else None)
-    key = (p.owner, p.dtype.name, p.index in frozen, loop)
+    key = (p.owner, p.dtype.name, p.index in frozen, p.index in zero_gradient, loop)
     groups.setdefault(key, []).append(p.index)
   return [(*key, members) for key, members in groups.items()]
 

@@ -140,7 +140,8 @@ def render_param_table(trace, s) -> str:
       layout += f", dim {entry.tensor_dim}{of} over {s.config.tensor_axes[0]}"
     uses = "; ".join(f"op {u.op} {u.primitive}" + (f" in {u.context}" if u.context else "")
                      for u in p.uses) or "-"
-    notes = _notes(p) + ("; frozen" if entry.frozen else "")
+    notes = _notes(p) + ("; frozen" if entry.frozen else "") + (
+        "; zero gradient (read only where no gradient flows)" if entry.zero_gradient else "")
     rows.append((p.path, str(list(p.shape)), p.dtype.name, layout,
                  "" if entry.bucket is None else str(entry.bucket), uses, notes.lstrip("; ")))
   return table(rows)

@@ -34,13 +34,16 @@ class ParamFacts:
   """What rolling needs to know about one parameter leaf."""
   path: str
   uses: tuple[int, ...]  # op numbers
-  kind: tuple  # (shape, dtype, persistent, frozen, tensor dim): layers must agree on it
+  # (shape, dtype, persistent, frozen, tensor dim, zero gradient): layers must agree on it
+  kind: tuple
 
 
-def param_facts(params, persistent, frozen, tensor_dims=None) -> list[ParamFacts]:
+def param_facts(params, persistent, frozen, tensor_dims=None, zero_gradient=None
+                ) -> list[ParamFacts]:
   """Facts of traced parameters (trace.ParamInfo) or schedule entries (ir.ParamEntry):
-  `persistent` and `frozen` are index sets, and `tensor_dims` the dimension each parameter
-  splits over the tensor axis (None: none), or all None to read the entries' own fields."""
+  `persistent`, `frozen` and `zero_gradient` are index sets, and `tensor_dims` the
+  dimension each parameter splits over the tensor axis (None: none), or all None to read
+  the entries' own fields."""
   out = []
   for i, p in enumerate(params):
     dtype = p.dtype if isinstance(p.dtype, str) else p.dtype.name
@@ -49,8 +52,10 @@ def param_facts(params, persistent, frozen, tensor_dims=None) -> list[ParamFacts
     tensor_dim = (getattr(p, "tensor_dim", None) if persistent is None else
                   None if tensor_dims is None else tensor_dims[i])
     uses = tuple(u if isinstance(u, int) else u.op for u in p.uses)
+    is_zero = (getattr(p, "zero_gradient", False) if persistent is None else
+               i in (zero_gradient or ()))
     out.append(ParamFacts(p.path, uses, (tuple(p.shape), dtype, is_persistent, is_frozen,
-                                         tensor_dim)))
+                                         tensor_dim, is_zero)))
   return out
 
 
@@ -411,7 +416,7 @@ class _Wiring:
     facts, first = self.f.params[i], self.f.params[i0]
     if facts.kind != first.kind:
       return (f"its parameter {facts.path} differs from {first.path} in shape, dtype, "
-              f"persistence, frozen flag or tensor-parallel split")
+              f"persistence, frozen flag, tensor-parallel split or gradient flow")
     if i == i0:
       return ""  # shared by every layer so far: a const
     block = range(self.start + layer * self.block, self.start + (layer + 1) * self.block)

@@ -148,7 +148,7 @@ class Schedule:
         "config": self.config.to_dict(),
         "program": {"num_ops": self.num_ops, "hash": self.program_hash},
         "params": [p.to_dict() for p in self.params],
-        "buckets": [dataclasses.asdict(b) for b in self.buckets],
+        "buckets": [b.to_dict() for b in self.buckets],
         "segments": [dataclasses.asdict(s) for s in self.segments],
         "rolling": list(self.rolling),
         **({"tensor_estimate": list(self.tensor_estimate)} if self.tensor_estimate else {}),
@@ -352,7 +352,8 @@ def _param_entry(p, where) -> ir.ParamEntry:
       stacked=_optional(p, "stacked", bool, where, False),
       stack=_optional(p, "stack", str, where, ""), layer=_optional(p, "layer", int, where, 0),
       tensor_dim=_optional(p, "tensor_dim", (int, type(None)), where, None),
-      tensor_size=_optional(p, "tensor_size", int, where, 1))
+      tensor_size=_optional(p, "tensor_size", int, where, 1),
+      zero_gradient=_optional(p, "zero_gradient", bool, where, False))
 
 
 def _parse_bucket(b, i) -> ir.Bucket:
@@ -364,6 +365,7 @@ def _parse_bucket(b, i) -> ir.Bucket:
                    dtype=_field(b, "dtype", str, where), params=tuple(paths),
                    frozen=_field(b, "frozen", bool, where),
                    stacked=_optional(b, "stacked", bool, where, False),
+                   zero_gradient=_optional(b, "zero_gradient", bool, where, False),
                    layers=tuple(tuple(_string_list({"layer": layer}, "layer",
                                                    f"{where}.layers[{k}]"))
                                 for k, layer in enumerate(_optional(b, "layers", list, where,

@@ -225,6 +225,29 @@ def per_device_batch(batch, num_devices: int):
       x.dtype), batch)
 
 
+# Ops whose gradient with respect to their inputs is zero (their outputs are float).
+_ZERO_GRADIENT_PRIMITIVES = frozenset({"stop_gradient", "floor", "ceil", "round", "sign"})
+
+
+def gradient_free(program: FlatProgram, num_params: int) -> frozenset[int]:
+  """Indices of the parameters that the loss (the program's first result) reads only where
+  no gradient flows back: through `stop_gradient` (or floor, round, sign...), or into a
+  value that is not floating point (a comparison, an integer conversion). Their gradient is
+  zero, and XLA deletes a reduction of zeros. A higher-order op (scan, cond, custom rule)
+  passes gradients to all its floating-point inputs: the answer errs towards a gradient."""
+  def is_float(v):
+    dtype = getattr(program.avals[v], "dtype", None)  # (a token has none)
+    return dtype is not None and ir.is_float(dtype)
+
+  reached = {program.output_ids[0]} if isinstance(program.output_ids[0], int) else set()
+  for op in reversed(program.ops):
+    if op.primitive in _ZERO_GRADIENT_PRIMITIVES or \
+        not any(o in reached and is_float(o) for o in op.outputs):
+      continue
+    reached.update(a for a in op.inputs if isinstance(a, int) and is_float(a))
+  return frozenset(i for i in range(num_params) if program.input_ids[i] not in reached)
+
+
 def param_views(program: FlatProgram, num_params: int) -> dict[int, frozenset]:
   """Value id -> indices of the parameters it is a layout view of (the parameters'
   own ids included). Ops that make such views are not uses: they are applied lazily."""

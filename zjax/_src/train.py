@@ -382,7 +382,7 @@ def plan_sub_groups(schedule) -> list[list[int]]:
   limit, n = schedule.config.sub_group_size, schedule.num_devices
   groups, current, size = [], [], 0
   for i, leaf in enumerate(schedule.storage):
-    if not ir.has_gradient(leaf.entry):
+    if not ir.is_trained(leaf.entry):
       continue
     local = ir.local_elements(leaf.entry, n)
     if current and size + local > limit:
@@ -462,7 +462,7 @@ def _split_leading(x, k, mesh):
 
 def _trainable_fn(schedule):
   """tree (the params' structure) -> tree of bools: floating-point, unfrozen leaves train."""
-  trains = {p.path: ir.has_gradient(p) for p in schedule.params}
+  trains = {p.path: ir.is_trained(p) for p in schedule.params}
 
   def trainable(tree):
     return jax.tree_util.tree_map_with_path(

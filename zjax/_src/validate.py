@@ -110,6 +110,10 @@ def _check_buckets(s):
         raise ScheduleError(f"Bucket {i} is {'' if b.frozen else 'not '}frozen but holds "
                             f"{path}, which is {'' if p.frozen else 'not '}frozen; a bucket "
                             f"never mixes frozen and trained parameters.")
+      if p.zero_gradient != b.zero_gradient:
+        raise ScheduleError(f"Bucket {i} has zero_gradient={b.zero_gradient} but holds "
+                            f"{path}, which has zero_gradient={p.zero_gradient}; a bucket "
+                            f"never mixes parameters with and without a gradient.")
   for p in s.params:
     if p.bucket is not None and (p.bucket >= len(s.buckets) or p.path not in
                                  s.buckets[p.bucket].loop_paths):
@@ -158,8 +162,8 @@ def _check_stacks(s):
       raise ScheduleError(f"The stack of {path} holds layers {sorted(p.layer for p in members)}; "
                           f"a stack holds layers 0, 1, ..., L-1 (L >= 2) once each.")
     for p in members:
-      if (p.shape, p.dtype, p.persistent, p.frozen, p.stacked) != \
-          (head.shape, head.dtype, head.persistent, head.frozen, False):
+      if (p.shape, p.dtype, p.persistent, p.frozen, p.stacked, p.zero_gradient) != \
+          (head.shape, head.dtype, head.persistent, head.frozen, False, head.zero_gradient):
         raise ScheduleError(f"Parameter {p.path} (layer {p.layer} of the stack of {path}) is "
                             f"{p.dtype}{list(p.shape)}, persistent={p.persistent}, frozen="
                             f"{p.frozen}, stacked={p.stacked}; the layers of a stack are alike "
