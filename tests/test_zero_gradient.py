@@ -27,7 +27,10 @@ READS = {
     "comparison": lambda h, s: jnp.where(s > 0.5, h, 0.0),
     "round": lambda h, s: h * jnp.round(s),
     "both ways": lambda h, s: h * lax.stop_gradient(s) + s,  # (a gradient flows)
+    # through complex values (a gradient flows)
+    "complex": lambda h, s: jnp.real(jnp.fft.ifft(jnp.fft.fft(h * s))),
 }
+FLOWS = ("both ways", "complex")
 
 
 def make_loss(read):
@@ -55,7 +58,7 @@ def zero_gradient_paths(schedule):
 def test_gradients_and_collectives_match(read, config, n):
   params, batch = case()
   schedule, compiled = assert_parity(make_loss(read), params, batch, n=n, config=config)
-  assert zero_gradient_paths(schedule) == ([] if read == "both ways" else ["['scale']"])
+  assert zero_gradient_paths(schedule) == ([] if read in FLOWS else ["['scale']"])
   assert_report_matches(schedule, compiled)
 
 

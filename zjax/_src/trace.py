@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import jax
 import jax.extend.core as jex
+import jax.numpy as jnp
 # JAX has no public dead-code elimination (nor a public way to bind an axis name while
 # tracing outside shard_map); these are what jit and make_jaxpr(axis_env=) use.
 from jax._src import core as jax_core
@@ -232,12 +233,12 @@ _ZERO_GRADIENT_PRIMITIVES = frozenset({"stop_gradient", "floor", "ceil", "round"
 def gradient_free(program: FlatProgram, num_params: int) -> frozenset[int]:
   """Indices of the parameters that the loss (the program's first result) reads only where
   no gradient flows back: through `stop_gradient` (or floor, round, sign...), or into a
-  value that is not floating point (a comparison, an integer conversion). Their gradient is
+  value that is neither floating point nor complex (a comparison, an integer conversion). Their gradient is
   zero, and XLA deletes a reduction of zeros. A higher-order op (scan, cond, custom rule)
   passes gradients to all its floating-point inputs: the answer errs towards a gradient."""
-  def is_float(v):
+  def is_float(v):  # or complex: a gradient flows through an FFT or a complex RoPE
     dtype = getattr(program.avals[v], "dtype", None)  # (a token has none)
-    return dtype is not None and ir.is_float(dtype)
+    return dtype is not None and bool(jnp.issubdtype(dtype, jnp.inexact))
 
   reached = {program.output_ids[0]} if isinstance(program.output_ids[0], int) else set()
   for op in reversed(program.ops):
