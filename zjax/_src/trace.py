@@ -226,26 +226,27 @@ def per_device_batch(batch, num_devices: int):
       x.dtype), batch)
 
 
-# Ops whose gradient with respect to their inputs is zero (their outputs are float).
+# Ops whose gradient with respect to their inputs is zero.
 _ZERO_GRADIENT_PRIMITIVES = frozenset({"stop_gradient", "floor", "ceil", "round", "sign"})
 
 
 def gradient_free(program: FlatProgram, num_params: int) -> frozenset[int]:
   """Indices of the parameters that the loss (the program's first result) reads only where
   no gradient flows back: through `stop_gradient` (or floor, round, sign...), or into a
-  value that is neither floating point nor complex (a comparison, an integer conversion). Their gradient is
-  zero, and XLA deletes a reduction of zeros. A higher-order op (scan, cond, custom rule)
-  passes gradients to all its floating-point inputs: the answer errs towards a gradient."""
-  def is_float(v):  # or complex: a gradient flows through an FFT or a complex RoPE
+  value that is neither floating point nor complex (a comparison, an integer conversion).
+  Their gradient is zero, and XLA deletes a reduction of zeros. A higher-order op (scan,
+  cond, custom rule) passes gradients to all its inexact inputs: the answer errs towards a
+  gradient."""
+  def is_inexact(v):  # floating or complex: a gradient flows through an FFT too
     dtype = getattr(program.avals[v], "dtype", None)  # (a token has none)
     return dtype is not None and bool(jnp.issubdtype(dtype, jnp.inexact))
 
   reached = {program.output_ids[0]} if isinstance(program.output_ids[0], int) else set()
   for op in reversed(program.ops):
     if op.primitive in _ZERO_GRADIENT_PRIMITIVES or \
-        not any(o in reached and is_float(o) for o in op.outputs):
+        not any(o in reached and is_inexact(o) for o in op.outputs):
       continue
-    reached.update(a for a in op.inputs if isinstance(a, int) and is_float(a))
+    reached.update(a for a in op.inputs if isinstance(a, int) and is_inexact(a))
   return frozenset(i for i in range(num_params) if program.input_ids[i] not in reached)
 
 
