@@ -67,6 +67,17 @@ def analyse_zjax(loss_fn, params, batch, *, n=8, config=None):
   return schedule, zjax.hlo.compile_for_analysis(lowered)
 
 
+def case_temp(case, config, n=8):
+  """Compiled temp per device of zjax's gradient step for a `real_models.Case` (with its
+  batch statistics, `extra`), compiled for analysis."""
+  mesh = mesh_of(n)
+  schedule = zjax.compile_schedule(case.loss_fn, case.params, case.batch, mesh=mesh,
+                                   config=config, extra=case.extra)
+  step = zjax.value_and_grad(case.loss_fn, schedule, mesh=mesh)
+  lowered = step.lower(zjax.shard(case.params, schedule, mesh), case.batch, case.extra)
+  return zjax.hlo.compile_for_analysis(lowered).memory_analysis().temp_size_in_bytes
+
+
 def reference(loss_fn, params, batch):
   """Plain single-device jax.value_and_grad (integer leaves: zero gradient)."""
   loss, grads = jax.value_and_grad(loss_fn, allow_int=True)(params, batch)

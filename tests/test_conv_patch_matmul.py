@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_parity, assert_report_matches, mesh_of
+from helpers import assert_parity, assert_report_matches, case_temp, mesh_of
 import real_models
 
 import zjax
@@ -162,21 +162,11 @@ def test_gradients_and_collectives_match(n, config):
   assert_report_matches(schedule, compiled)
 
 
-def temp(case, config):
-  """Compiled temp per device of zjax's gradient step on 8 devices."""
-  mesh = mesh_of(8)
-  schedule = zjax.compile_schedule(case.loss_fn, case.params, case.batch, mesh=mesh,
-                                   config=config, extra=case.extra)
-  step = zjax.value_and_grad(case.loss_fn, schedule, mesh=mesh)
-  lowered = step.lower(zjax.shard(case.params, schedule, mesh), case.batch, case.extra)
-  return zjax.hlo.compile_for_analysis(lowered).memory_analysis().temp_size_in_bytes
-
-
 def test_patch_matmuls_lower_a_weight_dominated_resnets_temp(monkeypatch):
   case = real_models.resnet18(width=32, image=16)
-  now = temp(case, REUSE0)
+  now = case_temp(case, REUSE0)
   monkeypatch.setattr(segments, "_kernel_dominated", lambda *_: False)
-  xla = temp(case, REUSE0)
+  xla = case_temp(case, REUSE0)
   # XLA's convolution held a second copy of a last-stage kernel (3x3x256x256 fp32, 2.25 MiB)
   kernel = 3 * 3 * 256 * 256 * 4
   assert xla - now >= kernel, (now, xla)

@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import assert_parity, assert_report_matches, mesh_of
+from helpers import assert_parity, assert_report_matches, case_temp, mesh_of
 import real_models
 
 import zjax
@@ -94,21 +94,10 @@ def resnet18_w4():
   return real_models.resnet18(width=4)
 
 
-def temp(case, config):
-  """Compiled temp per device of zjax's gradient step on 8 devices (a case with batch
-  statistics: `extra`)."""
-  mesh = mesh_of(8)
-  schedule = zjax.compile_schedule(case.loss_fn, case.params, case.batch, mesh=mesh,
-                                   config=config, extra=case.extra)
-  step = zjax.value_and_grad(case.loss_fn, schedule, mesh=mesh)
-  lowered = step.lower(zjax.shard(case.params, schedule, mesh), case.batch, case.extra)
-  return zjax.hlo.compile_for_analysis(lowered).memory_analysis().temp_size_in_bytes
-
-
 def test_prompt_weight_gradients_lower_a_resnets_temp(resnet18_w4, monkeypatch):
-  now = temp(resnet18_w4, REUSE0)
+  now = case_temp(resnet18_w4, REUSE0)
   monkeypatch.setattr(segments, "_weight_gradient_first", lambda *_: False)
-  free = temp(resnet18_w4, REUSE0)
+  free = case_temp(resnet18_w4, REUSE0)
   # the deferred gradients kept at least the four 32x32 stage's convolution inputs
   # ([2, 32, 32, 4] per device, 32 KiB each) alive beside the rest of the backward
   assert free - now >= 4 * 2 * 32 * 32 * 4 * 4, (now, free)
