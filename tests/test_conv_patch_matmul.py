@@ -152,6 +152,12 @@ def test_the_rule_picks_kernels_that_outweigh_their_patches():
       preferred_element_type=jnp.float32) ** 2)
   assert picked_convs(wide_out, {"w": half["wide1"]},
                       {"x": jnp.ones((1, 4, 4, 64), jnp.bfloat16)}) == {"['w']": False}
+  # empty: no output features, or no images
+  one_conv = lambda p, b: jnp.sum(conv(b["x"], p["w"]) ** 2)  # noqa: E731
+  assert picked_convs(one_conv, {"w": jnp.ones((3, 3, 64, 0))},
+                      {"x": jnp.ones((1, 4, 4, 64))}) == {"['w']": False}
+  assert picked_convs(one_conv, {"w": params["wide1"]},
+                      {"x": jnp.ones((0, 4, 4, 64))}) == {"['w']": False}
 
 
 @pytest.mark.parametrize("n", [8, 4])

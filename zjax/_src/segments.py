@@ -190,7 +190,7 @@ def _kernel_dominated(op, param_views, perturbed) -> bool:
   nor their last dim keep XLA's convolution."""
   if op.primitive != "conv_general_dilated" or len(op.inputs) != 2:
     return False
-  lhs, rhs = op.inputs
+  rhs = op.inputs[1]
   if not (isinstance(rhs, int) and rhs in param_views and rhs in perturbed):
     return False
   p = op.eqn.params
@@ -204,6 +204,8 @@ def _kernel_dominated(op, param_views, perturbed) -> bool:
   if dn.rhs_spec[0] not in (0, kernel.ndim - 1):  # output features first or last
     return False
   out = op.eqn.outvars[0].aval
+  if out.size == 0 or kernel.size == 0:
+    return False
   positions = out.size // out.shape[dn.out_spec[1]]
   return positions * kernel.size // kernel.shape[dn.rhs_spec[0]] < kernel.size // 2
 
