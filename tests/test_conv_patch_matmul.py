@@ -29,17 +29,12 @@ REUSE0 = zjax.ZeroConfig(max_reuse_distance=0)
 SHARDED = zjax.ZeroConfig(param_persistence_threshold=0, max_reuse_distance=0)
 
 
-class _Op:
-  """The slice of a program op that the rule reads."""
-
-  def __init__(self, eqn):
-    self.eqn, self.primitive, self.inputs = eqn, eqn.primitive.name, [0, 1]
-
-
 def conv_op(image, kernel, **conv_args):
-  eqn = jax.make_jaxpr(functools.partial(jax.lax.conv_general_dilated, **conv_args))(
-      image, kernel).eqns[-1]
-  return _Op(eqn)
+  """The traced program's op of `lax.conv_general_dilated(image, kernel, **conv_args)`."""
+  t = trace.trace_program(
+      lambda w, x: jnp.sum(jax.lax.conv_general_dilated(x, w, **conv_args)), kernel, image)
+  (op,) = [op for op in t.program.ops if op.primitive == "conv_general_dilated"]
+  return op
 
 
 CONVS = {  # name -> (image shape, kernel shape, conv args)

@@ -122,11 +122,12 @@ def segment_fn(io: SegmentIO, differentiated=frozenset(), replicated=frozenset()
     env = dict(zip(io.param_inputs, params))
     env.update(zip(io.act_inputs, acts))
     perturbed = set(differentiated)
+    param_views = set(io.param_inputs)
     for op in io.ops:
       args = [a.val if isinstance(a, jex.Literal) else env[a] for a in op.inputs]
       if _weight_gradient_first(op, replicated, perturbed):
         outs = [_promptly_differentiated(op)(*args)]
-      elif _kernel_dominated(op, set(io.param_inputs), perturbed):
+      elif _kernel_dominated(op, param_views, perturbed):
         outs = [_conv_as_patch_matmul(op, op.inputs[0] in perturbed)(*args)]
       else:
         outs = apply_op(op, args)
