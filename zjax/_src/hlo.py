@@ -26,19 +26,29 @@ _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 
              "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
              "f8e4m3fn": 1, "f8e5m2": 1}
 _KINDS = {"all-gather": "all_gather", "all-gather-start": "all_gather",
-          "reduce-scatter": "reduce_scatter", "all-reduce": "all_reduce",
-          "all-reduce-start": "all_reduce", "all-to-all": "all_to_all",
+          "reduce-scatter": "reduce_scatter", "reduce-scatter-start": "reduce_scatter",
+          "all-reduce": "all_reduce", "all-reduce-start": "all_reduce",
+          "all-to-all": "all_to_all", "all-to-all-start": "all_to_all",
           "collective-permute": "collective_permute",
           "collective-permute-start": "collective_permute"}
+# Ops that do work on a GPU's streams (what a prefetch can overlap): fusions, library calls
+# (cuBLAS, cuDNN), and the unfused heavy ops.
+_COMPUTE_OPS = frozenset({"fusion", "custom-call", "dot", "convolution", "reduce", "sort",
+                          "scatter", "gather", "reduce-window", "select-and-scatter"})
 _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+(?P<op>[a-z\-]+)\((?P<rest>.*)$")
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
-_GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]+)\}")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
 _GROUPS_ALL = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _GROUPS_IOTA_FULL = re.compile(
     r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+# jaxlib >= 0.11: groups as mesh axes, e.g. mesh['fsdp'=4,'tensor'=2] {'fsdp'}; a sub-axis
+# is 'fsdp':(pre)size, the middle factor of pre x size x rest (Shardy's notation).
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:<=\[([\d,]+)\](?:T\(([\d,]+)\))?)?"
+                          r"\s*\{([^}]*)\}")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _WHILE_BODY = re.compile(r"\swhile\(.*\bbody=%?([\w.\-]+)")
+_CALLED = re.compile(r"\b(body|condition|calls|to_apply|branch_computations|true_computation|"
+                     r"false_computation)=(\{[^}]*\}|%?[\w.\-]+)")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _BRANCHES = re.compile(
     r"\sconditional\(.*?(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+),"
@@ -51,7 +61,7 @@ class AnalysisProgram:
 
   def __init__(self, compiled, platform: str):
     self._compiled, self.platform = compiled, platform
-    self.barriers_kept = bool(xla_options.analysis_options(platform))
+    self.barriers_kept = platform == "cpu"  # (elsewhere XLA's own pipeline decides)
 
   def as_text(self) -> str:
     return self._compiled.as_text()
@@ -73,7 +83,8 @@ def compile_for_analysis(lowered) -> AnalysisProgram:
 
   On CPU the optimization barriers that pin the schedule's order are kept for this one
   compile (XLA's CPU pipeline would remove them), so memory and collectives are those of
-  the program the schedule describes; elsewhere it is the ordinary compile. The result
+  the program the schedule describes; on GPUs it is the compile of the program zjax runs
+  (collective combiners off, `xla_options.GPU_OPTIONS`); elsewhere the ordinary compile. The result
   analyses (`as_text`, `memory_analysis`, `cost_analysis`, `summarize`) but never runs.
 
   Example:
@@ -103,19 +114,127 @@ class Collective:
 
 
 def collectives(hlo_text: str) -> list[Collective]:
-  """Every collective of an optimised HLO module, in text order."""
+  """Every collective of an optimised HLO module, in text order. An asynchronous one (a GPU's
+  `all-gather-start` ... `all-gather-done`) counts once, at its start."""
   found, computation = [], ""
+  wrapped = _async_wrapped(hlo_text)
   for line in hlo_text.splitlines():
-    if line and not line[0].isspace() and "{" in line:
-      computation = line.split()[0 if not line.startswith("ENTRY") else 1].lstrip("%")
+    if _is_header(line):
+      computation = _header_name(line)
       continue
     m = _INSTRUCTION.match(line)
-    if not m or m.group("op") not in _KINDS:
+    if not m or m.group("op") not in _KINDS or computation in wrapped:
       continue
     kind = _KINDS[m.group("op")]
     found.append(Collective(kind, _collective_bytes(kind, m.group("op"), m.group("shape"), line),
                             m.group("shape"), computation, replica_groups(line)))
   return found
+
+
+def _is_header(line: str) -> bool:
+  return bool(line) and not line[0].isspace() and "{" in line
+
+
+def _header_name(line: str) -> str:
+  return line.split()[0 if not line.startswith("ENTRY") else 1].lstrip("%")
+
+
+def _async_wrapped(hlo_text: str) -> set[str]:
+  """Computations that an asynchronous collective's start calls (the collective it wraps is
+  counted at the start)."""
+  names = set()
+  for line in hlo_text.splitlines():
+    m = _INSTRUCTION.match(line)
+    if m and m.group("op").endswith("-start") and m.group("op") in _KINDS:
+      for key, value in _CALLED.findall(line):
+        if key == "calls":
+          names.update(_names(value))
+  return names
+
+
+def _names(value: str) -> list[str]:
+  return [n.strip().lstrip("%") for n in value.strip("{}").split(",") if n.strip()]
+
+
+def multiplicities(hlo_text: str) -> dict[str, int | None]:
+  """Computation name -> how many times it runs in one run of the entry computation: a while
+  body once per iteration of every loop around it, anything called (fusions, async
+  wrappers, branches, calls) as often as its callers (a branch counted as if taken). None
+  where a loop around it has a trip count XLA does not know."""
+  calls, order, entry, computation = {}, [], None, ""
+  for line in hlo_text.splitlines():
+    if _is_header(line):
+      computation = _header_name(line)
+      order.append(computation)
+      if line.startswith("ENTRY"):
+        entry = computation
+      continue
+    for key, value in _CALLED.findall(line):
+      factor = 1
+      if key == "body":
+        trip = _TRIP_COUNT.search(line)
+        factor = int(trip.group(1)) if trip else None
+      for name in _names(value):
+        calls.setdefault(computation, []).append((name, factor))
+  times = {entry: 1} if entry else {}
+  for caller in reversed(order):  # HLO text defines a computation before its callers
+    if caller not in times:
+      continue
+    for callee, factor in calls.get(caller, ()):
+      here = None if times[caller] is None or factor is None else times[caller] * factor
+      before = times.get(callee, 0)
+      times[callee] = None if here is None or before is None else before + here
+  return times
+
+
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncCollective:
+  """An asynchronous collective (`all-gather-start` ... `all-gather-done`) of a scheduled
+  program, with the compute scheduled between its start and its done (`async_collectives`)."""
+  kind: str
+  bytes: int  # full buffer, as `Collective.bytes`
+  computation: str
+  groups: tuple
+  compute_between: int  # compute ops (fusions, library calls, ...) between start and done
+
+
+def async_collectives(hlo_text: str) -> list[AsyncCollective]:
+  """Every start/done pair of a compiled, scheduled module (a GPU's; XLA's CPU emits none),
+  with how many compute ops the schedule places between the start and the done: one or
+  more means the transfer can overlap computation (a prefetch that works). A scheduled
+  module lists each computation's instructions in execution order."""
+  found, pending, computation, compute = [], {}, "", 0
+  wrapped = _async_wrapped(hlo_text)
+  for line in hlo_text.splitlines():
+    if _is_header(line):
+      computation, pending, compute = _header_name(line), {}, 0
+      continue
+    m, name = _INSTRUCTION.match(line), _NAME.match(line)
+    if not m or not name or computation in wrapped:
+      continue
+    op = m.group("op")
+    if op in _KINDS and op.endswith("-start"):
+      kind = _KINDS[op]
+      pending[name.group(1)] = (kind, _collective_bytes(kind, op, m.group("shape"), line),
+                                replica_groups(line), compute)
+    elif op.endswith("-done"):
+      for start in list(pending):
+        if re.search(r"(?<![\w.\-])%?" + re.escape(start) + r"(?![\w.\-])", m.group("rest")):
+          kind, size, groups, before = pending.pop(start)
+          found.append(AsyncCollective(kind, size, computation, groups, compute - before))
+          break
+    elif op in _COMPUTE_OPS:
+      compute += 1
+  return found
+
+
+def barrier_count(hlo_text: str) -> int:
+  """Optimization barriers in an HLO module's text (`opt-barrier`), or in a lowered
+  program's StableHLO (`optimization_barrier`)."""
+  return len(re.findall(r"\sopt-barrier\(|\bstablehlo\.optimization_barrier\b", hlo_text))
 
 
 def while_loops(hlo_text: str) -> dict[str, int | None]:
@@ -141,16 +260,18 @@ def conditional_branches(hlo_text: str) -> set[str]:
 
 
 def executions(hlo_text: str, unknown_trips_once: bool = False) -> list:
-  """(collective, times it runs) for every collective: a while body's once per iteration.
-  A trip count XLA does not know is an error, or with `unknown_trips_once` counts once."""
-  loops = while_loops(hlo_text)
+  """(collective, times it runs) for every collective: once per iteration of every while
+  loop around it (`multiplicities`). A trip count XLA does not know is an error, or with
+  `unknown_trips_once` counts once."""
+  times_of = multiplicities(hlo_text)
   out = []
   for c in collectives(hlo_text):
-    times = loops.get(c.computation, 1)
+    times = times_of.get(c.computation, 1)
     if times is None:
       if not unknown_trips_once:
-        raise ValueError(f"A {c.kind} sits in while body {c.computation}, whose trip count "
-                         f"XLA does not know; how often it runs is undefined.")
+        raise ValueError(f"A {c.kind} sits in computation {c.computation}, inside a while "
+                         f"loop whose trip count XLA does not know; how often it runs is "
+                         f"undefined.")
       times = 1
     out.append((c, times))
   return out
@@ -167,21 +288,74 @@ def executed(hlo_text: str) -> dict:
 
 
 def replica_groups(line: str) -> tuple:
-  """The device groups of a collective instruction, list or iota form; () when absent or
-  empty (every device)."""
+  """The device groups of a collective instruction, list, iota or mesh-axes form; for a
+  collective-permute, the devices its source-target pairs connect; () when absent or empty
+  (every device)."""
+  m = _PAIRS.search(line)
+  if m:
+    return _connected(re.findall(r"\{(\d+),(\d+)\}", m.group(1)))
+  m = _GROUPS_MESH.search(line)
+  if m:
+    return _mesh_axes_groups(m)
   m = _GROUPS_IOTA_FULL.search(line)
   if m:
     count, size = int(m.group(1)), int(m.group(2))
-    dims = [int(d) for d in m.group(3).split(",")]
-    ids = np.arange(int(np.prod(dims))).reshape(dims)
-    if m.group(4):
-      ids = ids.transpose([int(p) for p in m.group(4).split(",")])
+    ids = _iota(m.group(3), m.group(4))
     return tuple(tuple(int(i) for i in row) for row in ids.reshape(count, size))
   m = _GROUPS_ALL.search(line)
   if not m or not m.group(1):
     return ()
   return tuple(tuple(int(i) for i in g.split(",") if i)
                for g in re.findall(r"\{([\d,]*)\}", m.group(1)))
+
+
+def _connected(pairs) -> tuple:
+  """The groups of devices that (source, target) pairs connect, each sorted."""
+  parent: dict = {}
+
+  def root(d):
+    while parent.setdefault(d, d) != d:
+      d = parent[d]
+    return d
+
+  for a, b in pairs:
+    parent[root(int(a))] = root(int(b))
+  groups: dict = {}
+  for d in list(parent):
+    groups.setdefault(root(d), []).append(d)
+  return tuple(sorted(tuple(sorted(g)) for g in groups.values()))
+
+
+def _iota(dims: str, permutation: str | None) -> np.ndarray:
+  """Device ids of an iota list `<=[dims]T(permutation)`, flattened."""
+  shape = [int(d) for d in dims.split(",")]
+  ids = np.arange(int(np.prod(shape))).reshape(shape)
+  if permutation:
+    ids = ids.transpose([int(p) for p in permutation.split(",")])
+  return ids.reshape(-1)
+
+
+def _mesh_axes_groups(m) -> tuple:
+  """Groups of a mesh-axes replica group: the devices that differ only along the named axes
+  (or sub-axes)."""
+  axes = [(name, int(size)) for name, size in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
+  total = int(np.prod([n for _, n in axes]))
+  ids = _iota(m.group(2), m.group(3)) if m.group(2) else np.arange(total)
+  chosen = {name: (pre, size) for name, pre, size in
+            re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", m.group(4))}
+  shape, grouped = [], []
+  for name, n in axes:
+    pre, size = chosen.get(name, ("", ""))
+    if pre:  # a sub-axis: n = pre x size x rest, grouped along size
+      shape += [int(pre), int(size), n // (int(pre) * int(size))]
+      grouped += [False, True, False]
+    else:
+      shape.append(n)
+      grouped.append(name in chosen)
+  order = [i for i, g in enumerate(grouped) if not g] + [i for i, g in enumerate(grouped) if g]
+  size = int(np.prod([shape[i] for i, g in enumerate(grouped) if g]))
+  rows = ids.reshape(shape).transpose(order).reshape(-1, size)
+  return tuple(tuple(int(i) for i in row) for row in rows)
 
 
 def axes_of_groups(groups, mesh_shape: dict) -> str:
@@ -259,13 +433,30 @@ def summarize(compiled) -> dict:
 
 
 def _collective_bytes(kind, op, shape, line) -> int:
-  arrays = _arrays(shape)
-  if op.endswith("-start") and len(arrays) > 1:
-    arrays = arrays[len(arrays) // 2:]  # (operands..., outputs...): count the outputs
-  total = sum(arrays)
+  if op.endswith("-start") and op != "all-reduce-start":
+    shape = _start_output(shape)  # (operands, outputs, context...): the outputs
+  total = sum(_arrays(shape))
   if kind == "reduce_scatter":
     total *= _group_size(line)
   return total
+
+
+def _start_output(shape: str) -> str:
+  """The second top-level element of an async start's tuple shape (its outputs)."""
+  shape = shape.strip()
+  if not shape.startswith("("):
+    return shape
+  parts, depth, begin = [], 0, 1
+  for i, ch in enumerate(shape[1:-1], start=1):
+    if ch in "([{":
+      depth += 1
+    elif ch in ")]}":
+      depth -= 1
+    elif ch == "," and depth == 0:
+      parts.append(shape[begin:i])
+      begin = i + 1
+  parts.append(shape[begin:-1])
+  return parts[1] if len(parts) > 1 else parts[0]
 
 
 def _arrays(shape: str) -> list[int]:
@@ -281,8 +472,5 @@ def _arrays(shape: str) -> list[int]:
 
 
 def _group_size(line: str) -> int:
-  m = _GROUPS_LIST.search(line)
-  if m:
-    return len(m.group(1).split(","))
-  m = _GROUPS_IOTA.search(line)
-  return int(m.group(2)) if m else 1
+  groups = replica_groups(line)
+  return len(groups[0]) if groups else 1

@@ -13,6 +13,8 @@ memory spaces is an error), which optax transforms do (`clip_by_global_norm` mak
 for the imaginary part): measured, not built.
 """
 
+import inspect
+
 import jax
 from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding
@@ -72,6 +74,9 @@ def to_space(tree, space: str):
 
 def on_host(fn):
   """fn as a computation on the host (inputs and outputs in host memory)."""
+  if "out_memory_spaces" in inspect.signature(compute_on).parameters:  # jax >= 0.11
+    return compute_on(compute_type="device_host",
+                      out_memory_spaces=jax.memory.Space.Host)(jax.jit(fn))
   return compute_on("device_host")(jax.jit(fn))
 
 
