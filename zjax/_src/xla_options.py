@@ -11,12 +11,22 @@ collective JAX lowers has channel id 1, and the CPU runtime keys rendezvous by i
 collectives in flight are one rendezvous to it: mixed buffers (NaN), a device arriving
 twice (`id < num_threads`), or devices waiting in different collectives (timeouts).
 
-So, on every backend:
-- programs zjax runs are compiled with XLA's own pipeline (`jit`); a process-wide flag that
-  keeps barriers is undone for them, with one warning;
+On GPUs, XLA's collective combiners merge independent collectives into one launch. The
+schedule's buckets are zjax's own combining decision, so zjax turns them off for its
+programs (`GPU_OPTIONS`). Measured on an H200 (jaxlib 0.11.2, a mock 8-GPU topology,
+docs/results.md "On an NVIDIA H200"): with them on, the unrolled bench GPT's 34
+reduce-scatters became one at the end of the step, every gradient bucket alive until then,
+and the counts differed from the report (the bytes were equal). The compiled GPU programs
+had no optimization barrier left.
+
+So:
+- programs zjax runs are compiled with XLA's own pipeline (`jit`), on GPUs with the
+  combiners off; a process-wide flag that keeps barriers is undone for them, with one
+  warning;
 - analysis compiles (`hlo.compile_for_analysis`) keep the barriers on CPU for that one
-  compile, so memory and collectives are those of the program in the schedule's order, the
-  program a GPU runs (scheduled for memory, `analysis_options`). They are never executed.
+  compile, so memory and collectives are those of the program in the schedule's order
+  (scheduled for memory, `analysis_options`), the stand-in for a GPU's program; on GPUs
+  they are the programs zjax runs. They are never executed.
 """
 
 import os
@@ -26,6 +36,11 @@ import warnings
 import jax
 
 BARRIER_PASS = "cse_barrier_expander"
+GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
+# A threshold of 0 bytes turns a combiner off (XLA skips the pass).
+GPU_OPTIONS = {"xla_gpu_all_gather_combine_threshold_bytes": 0,
+               "xla_gpu_reduce_scatter_combine_threshold_bytes": 0,
+               "xla_gpu_all_reduce_combine_threshold_bytes": 0}
 _PASSES_FLAG = re.compile(r"--xla_disable_hlo_passes[= ]([^\s]*)")
 _warned = False
 
@@ -39,14 +54,18 @@ def disabled_passes(xla_flags: str | None = None) -> list[str]:
   return found
 
 
-def execution_options() -> dict:
-  """Compiler options for a program zjax runs: none, unless XLA_FLAGS keeps optimization
-  barriers (the old CPU recipe), which is undone here with a warning once."""
+def execution_options(platform: str | None = None) -> dict:
+  """Compiler options for a program zjax runs on `platform` (default: JAX's default
+  backend): on GPUs the collective combiners off (`GPU_OPTIONS`); and if XLA_FLAGS keeps
+  optimization barriers (the old CPU recipe), that pass back on, with a warning once."""
+  platform = platform or jax.default_backend()
+  options = dict(GPU_OPTIONS) if platform in GPU_PLATFORMS else {}
   passes = disabled_passes()
   if BARRIER_PASS not in passes:
-    return {}
+    return options
   _warn_once()
-  return {"xla_disable_hlo_passes": ",".join(p for p in passes if p != BARRIER_PASS)}
+  return {**options,
+          "xla_disable_hlo_passes": ",".join(p for p in passes if p != BARRIER_PASS)}
 
 
 def jit(fn, **kwargs):
@@ -79,7 +98,8 @@ class _TopLevelOptions:
 
 
 def analysis_options(platform: str) -> dict:
-  """Compiler options of an analysis compile on `platform`. CPU: barriers kept, and XLA's
+  """Compiler options of an analysis compile on `platform`. GPUs: those of the programs
+  zjax runs there (`GPU_OPTIONS`). CPU: barriers kept, and XLA's
   memory-optimized CPU scheduler, which orders for the smallest peak within the order the
   barriers pin: the schedule's memory model (each buffer freed after its last use). XLA's
   default CPU scheduler orders for the CPU runtime's thread parallelism instead, starting
@@ -89,6 +109,8 @@ def analysis_options(platform: str) -> dict:
   compilers keep barriers through scheduling and reject them with the pass off. These are
   options that take effect per compile (the region-analysis and concurrency-scheduler
   flags are read process-wide only)."""
+  if platform in GPU_PLATFORMS:
+    return dict(GPU_OPTIONS)
   if platform != "cpu":
     return {}
   return {"xla_disable_hlo_passes": BARRIER_PASS,

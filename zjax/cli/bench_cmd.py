@@ -1,5 +1,6 @@
 """`zjax bench`: compare zjax with GSPMD FSDP and data parallel on one model, mesh and
-batch (see zjax/bench/run.py for what is measured and how)."""
+batch (see zjax/bench/run.py for what is measured and how); `--suite gpu`: the GPU suite
+(zjax/bench/gpu_suite.py)."""
 
 import pathlib
 
@@ -16,6 +17,18 @@ def add_parser(subparsers) -> None:
       description="Compiles and runs one training step (loss, gradients, adamw) of each "
                   "method on the same mesh and batch; prints a table, writes JSON and PNG "
                   "plots. Step times are medians of interleaved rounds.")
+  p.add_argument("--suite", choices=("compare", "gpu"), default="compare",
+                 help="compare (default): the side-by-side comparison below; gpu: what only "
+                      "a GPU can tell, in under 8 minutes on one H200 (compiles for a mock "
+                      "8-GPU topology, runs a 1B-class Llama with and without offload); "
+                      "without a GPU it runs --tiny")
+  p.add_argument("--out", metavar="DIR", default="gpu_bench",
+                 help="--suite gpu: where gpu.json, gpu.md, hlo/ and logs/ go")
+  p.add_argument("--tiny", action="store_true",
+                 help="--suite gpu: tiny models on CPU devices (what a machine without a GPU "
+                      "runs anyway)")
+  p.add_argument("--time-scale", type=float, default=1.0,
+                 help="--suite gpu: multiply every part's time limit")
   p.add_argument("--model", default="gpt", help="'gpt' (zjax/models/gpt.py; also scanned) or "
                  "PATH.py:FUNCTION / MODULE:FUNCTION as for zjax inspect")
   p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (or the "
@@ -50,6 +63,8 @@ def fill_sweep_defaults(args) -> None:
 
 
 def run(args) -> int:
+  if args.suite == "gpu":
+    return run_gpu_suite(args)
   fill_sweep_defaults(args)
   for name in ("devices", "layers", "d_model", "batch", "rounds", "steps_per_round"):
     if getattr(args, name) < 1:
@@ -98,3 +113,22 @@ def run(args) -> int:
     console.print(PARTITIONER_WARNINGS.summary())
   console.print(f"wrote {args.json}, " + ", ".join(written))
   return 0
+
+
+def run_gpu_suite(args) -> int:
+  """The GPU suite; this process never starts JAX (each part is a process of its own)."""
+  if args.time_scale <= 0:
+    raise ValueError(f"--time-scale {args.time_scale} must be positive.")
+  if pathlib.Path(args.out).exists() and not pathlib.Path(args.out).is_dir():
+    raise ValueError(f"--out {args.out} exists and is not a directory.")
+  from zjax.bench import gpu_suite
+  pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+  results = gpu_suite.run_suite(args.out, tiny=True if args.tiny else None,
+                                scale=args.time_scale)
+  print((pathlib.Path(args.out) / "gpu.md").read_text())
+  print(f"wrote {args.out}/gpu.json, {args.out}/gpu.md")
+  failed = [name for name, part in results["parts"].items()
+            if part.get("status") not in ("ok", "skipped")]
+  if failed:
+    print(f"parts that did not finish: {', '.join(failed)} (see {args.out}/logs/)")
+  return 1 if failed else 0
