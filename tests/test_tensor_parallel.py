@@ -90,7 +90,8 @@ def step_matches_reference(loss_fn, schedule, mesh, params, batch, reference_fn=
   loss, grads = step(sharded, batch)
   ref_loss, ref_grads = reference(reference_fn or loss_fn, nn.unbox(params), batch)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
-  assert_trees_close(zjax.unshard(grads, schedule), ref_grads)
+  # (unshard gives Flax boxes back, as jax.value_and_grad would; the reference is unboxed)
+  assert_trees_close(nn.unbox(zjax.unshard(grads, schedule)), ref_grads)
   return step, sharded
 
 
@@ -391,6 +392,57 @@ def test_annotated_linen_model(sequence_parallel):
   assert not storage_over_tensor(text, mesh, schedule)
 
 
+class BoxedMLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    dense = lambda n, names: nn.Dense(n, kernel_init=nn.with_logical_partitioning(  # noqa
+        nn.initializers.lecun_normal(), names), bias_init=nn.with_logical_partitioning(
+            nn.initializers.zeros_init(), names[1:]))
+    return dense(8, ("mlp", "embed"))(jax.nn.gelu(dense(32, ("embed", "mlp"))(x)))
+
+
+@pytest.mark.parametrize("tensor", [False, True], ids=["fsdp8", "fsdp4_tensor2"])
+def test_boxed_params_come_back_boxed(tensor, tmp_path):
+  """Params boxed by nn.with_logical_partitioning come back boxed, with their names, from
+  unshard, gather_params and the gradients (as jax.value_and_grad returns them), with and
+  without tensor parallelism; export_params (a checkpoint on disk) gives plain arrays."""
+  model, x = BoxedMLP(), jnp.asarray(np.random.default_rng(3).normal(size=(16, 8)),
+                                     jnp.float32)
+  boxed = model.init(jax.random.key(1), x)
+  loss_fn = lambda p, x: jnp.mean(model.apply(p, x) ** 2)  # noqa: E731
+  if tensor:
+    mesh, plan = auto_mesh((4, 2), ("fsdp", "tensor")), {
+        "logical_axis_rules": [("embed", None), ("mlp", "tensor")]}
+    config = zjax.ZeroConfig(tensor_axes=("tensor",), param_persistence_threshold=0)
+  else:
+    mesh, plan = jax.make_mesh((8,), ("fsdp",)), {}
+    config = zjax.ZeroConfig(param_persistence_threshold=0)
+  schedule = zjax.compile_schedule(loss_fn, boxed, x, mesh=mesh, config=config, **plan)
+  kernel = lambda tree: tree["params"]["Dense_0"]["kernel"]  # noqa: E731
+
+  def same_boxes(tree):
+    assert jax.tree.structure(tree) == jax.tree.structure(boxed)
+    assert isinstance(kernel(tree), nn.LogicallyPartitioned)
+    assert kernel(tree).names == kernel(boxed).names and kernel(tree).names[0]
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(nn.unbox(tree)),
+                 nn.unbox(boxed))
+
+  same_boxes(zjax.unshard(zjax.shard(boxed, schedule, mesh), schedule))
+  trainer = zjax.zero3(loss_fn, optax.sgd(0.0), schedule, mesh=mesh)
+  state = trainer.init(boxed)
+  same_boxes(trainer.gather_params(state))
+  _, grads = zjax.value_and_grad(loss_fn, schedule, mesh=mesh)(state.params, x)
+  reference = jax.grad(loss_fn)(boxed, x)
+  assert jax.tree.structure(zjax.unshard(grads, schedule)) == jax.tree.structure(reference)
+  ckpt = zjax.CheckpointManager(tmp_path / "boxed", trainer)
+  ckpt.save(0, state)
+  ckpt.wait_until_finished()
+  ckpt.close()
+  exported = zjax.export_params(tmp_path / "boxed")
+  assert not isinstance(kernel(exported), nn.LogicallyPartitioned)
+  jax.tree.map(np.testing.assert_array_equal, exported, nn.unbox(boxed))
+
+
 class ScanStack(nn.Module):
   """Stack's blocks under nn.scan (the stacked axis named as MaxText names it)."""
   @nn.compact
@@ -493,6 +545,11 @@ def test_bad_input_is_refused_with_the_parameter_named():
          mesh=jax.make_mesh((8,), ("fsdp",)))
   with pytest.raises(ValueError, match="a data axis"):
     zjax.ZeroConfig(tensor_axes=("fsdp",))
+  # a rule that matches no parameter (a typo) would train its weights replicated over T
+  with pytest.raises(ZjaxError, match=r"rule 1 \('wq'\) matches no parameter .*\['v', 'w'\]"):
+    plan([("v", P("tensor")), ("wq", P(None, "tensor"))])
+  with pytest.raises(ZjaxError, match=r"rules 0 \('x'\), 1 \('y'\) match no parameter"):
+    plan([("x", P("tensor")), ("y", P("tensor")), ("v", P("tensor"))])
 
   for collective in (lambda v: jax.lax.psum(v, "tensor"),
                      lambda v: v * jax.lax.axis_index("tensor")):

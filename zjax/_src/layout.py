@@ -321,8 +321,11 @@ def per_device_bytes(tree, memory_kind: str | None = None) -> int:
 
 
 def unshard(sharded: Any, schedule) -> Any:
-  """The natural-shape params of a sharded pytree, bitwise equal to what `shard` was given.
-  Leaves on one mesh come back replicated on it, from one compiled program."""
+  """The natural-shape params of a sharded pytree, bitwise equal to what `shard` was given,
+  in the structure `compile_schedule` was given: Flax partitioning boxes come back with
+  their metadata, as `jax.value_and_grad` returns them (a schedule loaded from a file does
+  not know them: plain arrays). Leaves on one mesh come back replicated on it, from one
+  compiled program."""
   leaves = stored_leaves(sharded, schedule, "sharded")
   for x, leaf in zip(leaves, schedule.storage):
     expected = storage_shape(leaf.entry, schedule.num_devices)
@@ -336,7 +339,17 @@ def unshard(sharded: Any, schedule) -> Any:
                            lambda x, leaf: natural_from_storage(x, leaf.entry))
   else:
     out = _unshard_program(schedule, mesh)(leaves)
-  return natural_like(sharded, schedule, out)
+  return reboxed(natural_like(sharded, schedule, out), schedule)
+
+
+def reboxed(natural: Any, schedule) -> Any:
+  """`natural` (plain arrays) in the boxed structure the schedule was compiled from, if it
+  was compiled from Flax boxes; else unchanged."""
+  boxed = schedule.boxed_treedef
+  leaves = jax.tree_util.tree_leaves(natural)
+  if boxed is None or boxed.num_leaves != len(leaves):
+    return natural
+  return jax.tree_util.tree_unflatten(boxed, leaves)
 
 
 def _natural_members(schedule, leaves, natural) -> list:

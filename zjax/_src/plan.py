@@ -119,7 +119,7 @@ def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
   sizes = resolve_axis_sizes(config, mesh, num_devices, replica_sizes, axis_sizes)
   tensor = tensor_parallel.resolve(params, config, mesh, axis_sizes, tensor_specs,
                                    logical_axis_rules)
-  params = tensor_specs_lib.unbox(params)
+  given, params = params, tensor_specs_lib.unbox(params)
   trace = trace_for_schedule(loss_fn, params, batch, config, sizes, extra,
                              mesh=_trace_mesh(config, mesh, axis_sizes))
   if platform is None:
@@ -127,6 +127,8 @@ def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
   schedule = plan_schedule(trace, config, sizes, frozen=_frozen_indices(params, frozen, trace),
                            platform=platform, tensor=tensor)
   object.__setattr__(schedule, "params_treedef", jax.tree_util.tree_structure(params))
+  if given is not params:  # Flax boxes: unshard gives them back
+    object.__setattr__(schedule, "boxed_treedef", jax.tree_util.tree_structure(given))
   return schedule
 
 

@@ -64,8 +64,11 @@ class Schedule:
   # What tracing changed in the loss, for people (data axes dropped from its sharding
   # constraints under tensor parallelism); () when nothing.
   notes: tuple[str, ...] = ()
-  # The params' pytree structure, known when compiled in this process (not saved in JSON).
+  # The params' pytree structure, known when compiled in this process (not saved in JSON);
+  # with Flax partitioning boxes, also the structure as given, boxes and their metadata
+  # included (what `unshard` returns).
   params_treedef = None
+  boxed_treedef = None
 
   def __post_init__(self):
     if not self.shard_sizes and len(self.config.shard_axes) == 1:

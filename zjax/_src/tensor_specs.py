@@ -121,6 +121,14 @@ def _from_rules(rules, key_paths) -> list:
       raise ZjaxError(f"tensor_specs rule {i} ({pattern!r}) maps to {spec!r}; expected a "
                       f"PartitionSpec or None.")
   names = [slash_path(path) for path in key_paths]
+  unmatched = [f"{i} ({pattern!r})" for i, (pattern, _) in enumerate(rules)
+               if not any(re.search(pattern, name) for name in names)]
+  if unmatched:
+    raise ZjaxError(f"tensor_specs rule{'s' if len(unmatched) > 1 else ''} "
+                    f"{', '.join(unmatched)} match{'' if len(unmatched) > 1 else 'es'} no "
+                    f"parameter (the paths look like {names[:3]}): a misspelt rule would "
+                    f"leave its weights replicated over the tensor axis. Fix the pattern or "
+                    f"drop the rule.")
   return [next((spec for pattern, spec in rules if re.search(pattern, name)), None)
           for name in names]
 
