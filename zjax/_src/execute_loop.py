@@ -139,11 +139,16 @@ class Loop:
     from this device's rows of the stacked shards (backward under hpZ: from `secondary`,
     bucket -> the layer's secondary shard, over the shard axes only); every stacked bucket,
     or those in `buckets`."""
-    from_secondary = phase == "backward" and self.dp.secondary_partition
-    if from_secondary:
+    if phase == "backward" and self.dp.secondary_partition:
       secondary, _ = lax.optimization_barrier((secondary, tie))
     else:
       shard_rows, _ = lax.optimization_barrier((shard_rows, tie))
+    return self.gather_tied(shard_rows, phase, secondary, buckets)
+
+  def gather_tied(self, shard_rows: dict, phase: str = "forward", secondary=None,
+                  buckets=None):
+    """`gather_layer` on rows (or secondary shards) already tied to what they follow."""
+    from_secondary = phase == "backward" and self.dp.secondary_partition
     layers, kept = {}, {}
     for b in self.buckets if buckets is None else buckets:
       members = self.dp.members[b]

@@ -128,8 +128,8 @@ class RolledLoop(Loop):
     def step(state, i):
       carry, saved = state
       ctx = self._context(consts, carry, _read(xs, i))
-      gather = lambda b, tie: self.gather_layer(_read(shards, i), tie, buckets=[b])[0]  # noqa
-      loop_parts.walk_forward(self.parts, self.bodies["forward"], ctx, gather,
+      loop_parts.walk_forward(self.parts, self.bodies["forward"], ctx,
+                              self._gatherer(_read(shards, i), "forward"),
                               carry if carry else anchor)
       new_carry = [ctx[("local", j, o)] for j, o in self.run.carry_out]
       return (new_carry, _write(saved, i, carry)), None
@@ -151,10 +151,7 @@ class RolledLoop(Loop):
       carry, x = _read(saved, i), _read(xs, i)
       ctx = self._context(consts, carry, x)
       cts = {k: c for k, c in zip(keys, ct_carry) if c is not None}
-      rows, chunks = _read(shards, i), {}
-
-      def gather(b, tie):
-        return self.gather_layer(rows, tie, "backward", buckets=[b])[0]
+      gather, chunks = self._gatherer(_read(shards, i), "backward"), {}
 
       def scatter(b, layer_grads):
         chunks.update(self.scatter_layer(layer_grads, buckets=[b]))
@@ -175,6 +172,19 @@ class RolledLoop(Loop):
     (ct_carry, ct_consts, ct_xs, grads), _ = lax.scan(step, state, jnp.arange(self.length),
                                                       reverse=True)
     return list(ct_consts) + list(ct_carry) + list(ct_xs), grads
+
+  def _gatherer(self, rows: dict, phase: str):
+    """gather(bucket, tie) -> the layer's values of the bucket, for one iteration of a
+    layer cut into parts. Each gather reads this layer's rows through the barrier of the
+    gather before it, so two gathers of one bucket in one iteration (released between, as
+    max_reuse_distance=0 plans) read different values: XLA cannot merge them, even where
+    its algebraic simplifier drops a tie that nothing else reads (a recomputed output that
+    the backward does not use) and the two barriers become alike."""
+    def gather(b, tie):
+      mine, _ = lax.optimization_barrier(({i: rows[i] for i in self.dp.members[b]}, tie))
+      rows.update(mine)
+      return self.gather_tied(mine, phase, buckets=[b])[0]
+    return gather
 
   def _differentiated(self, values, first) -> list[bool]:
     """Which consts (`first` 0) or xs (`first` first_xs: per-layer values, then the

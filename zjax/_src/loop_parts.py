@@ -268,8 +268,11 @@ def walk_backward(runner, body, ctx, cts, gather, scatter, tie, placeholder=None
       weights = runner.weights(st.part, layers, _hole(placeholder, st))
       outs, vjp_fn, backward = runner.vjp(st.part, weights, ctx)
       ctx.update(zip(runner.parts[st.part].outputs, outs))
-      saved[st.part] = (seg_lib.strip_params(vjp_fn, list(weights.values())), backward)
-      tie = _last_output(runner, st.part, ctx, tie)
+      stripped = seg_lib.strip_params(vjp_fn, list(weights.values()))
+      saved[st.part] = (stripped, backward)
+      # what its vjp will read: XLA's algebraic simplifier drops a barrier's tie that
+      # nothing else reads, and the part's outputs may be unread (the layer's output)
+      tie = _residuals(stripped) + [_last_output(runner, st.part, ctx, tie)]
     elif st.op == "compute":
       stripped, backward = saved.pop(st.part)
       weights = runner.weights(st.part, layers, _hole(placeholder, st))
@@ -288,6 +291,12 @@ def walk_backward(runner, body, ctx, cts, gather, scatter, tie, placeholder=None
     elif st.op == "reduce_scatter":
       scatter(st.bucket, {i: grads.pop(i) for i in runner.members[st.bucket] if i in grads})
   return cts
+
+
+def _residuals(stripped) -> list:
+  """The arrays a stripped vjp saved (its gathered weights left out)."""
+  _, kept, _ = stripped
+  return [x for x in kept if isinstance(x, jax.Array | jax.core.Tracer)]
 
 
 def _hole(placeholder, st):
