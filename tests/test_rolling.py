@@ -17,7 +17,8 @@ import optax
 import pytest
 import real_models
 from flax import nnx
-from helpers import assert_parity, assert_trees_close, mesh_of, run_zjax, steps_like_optax
+from helpers import (assert_parity, assert_report_matches, assert_trees_close, mesh_of, run_zjax,
+                     steps_like_optax)
 from test_train import reference_run
 
 import zjax
@@ -557,3 +558,82 @@ def test_the_bench_model_trains_rolled_on_the_cpu_runtime():
     params, opt_state, loss = reference_step(params, opt_state)
     want.append(float(loss))
   np.testing.assert_allclose(losses, want, rtol=1e-5)
+
+
+# ---- a per-layer index into a value from before the layers ---------------------------------
+
+class HeadMaskedLayer(nn.Module):
+  """A BERT-style layer scaling its attention heads by a per-layer row of a mask built
+  before the layers (Hugging Face's Flax BERT: head_mask[i] for layer i)."""
+
+  @nn.compact
+  def __call__(self, x, head_mask):
+    b, s, d = x.shape
+    heads = lambda n: nn.Dense(d, name=n)(x).reshape(b, s, 4, d // 4)  # noqa: E731
+    q, k, v = heads("query"), heads("key"), heads("value")
+    w = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // 4), -1)
+    w = w * head_mask[None, :, None, None]
+    out = jnp.einsum("bhqk,bkhd->bqhd", w, v).reshape(b, s, d)
+    x = nn.LayerNorm(name="attention_norm")(x + nn.Dense(d, name="attention_out")(out))
+    h = nn.gelu(nn.Dense(4 * d, name="intermediate")(x))
+    return nn.LayerNorm(name="output_norm")(x + nn.Dense(d, name="output")(h))
+
+
+INDEX_STYLES = {  # layer i's row of the mask
+    "static slice": lambda mask, i: mask[i],
+    "dynamic_slice": lambda mask, i: jax.lax.dynamic_index_in_dim(mask, i, keepdims=False),
+    "gather": lambda mask, i: jnp.take(mask, i, axis=0)}
+
+
+class HeadMaskedNet(nn.Module):
+  style: str
+  layers: int = 3
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(37, 32)(tokens)
+    mask = jnp.linspace(0.5, 1.0, self.layers * 4).reshape(self.layers, 4)
+    for i in range(self.layers):
+      x = HeadMaskedLayer(name=f"layer_{i}")(x, INDEX_STYLES[self.style](mask, i))
+    return jnp.mean(x ** 2)
+
+
+@pytest.mark.parametrize("style,n", [("static slice", 8), ("static slice", 4),
+                                     ("dynamic_slice", 8), ("gather", 8)])
+def test_a_per_layer_index_rolls(style, n):
+  """Each layer reads its own row of a mask built before the layers; the layers roll, the
+  index read per iteration (a static slice: a dynamic slice at the iteration's offset)."""
+  model = HeadMaskedNet(style)
+  tokens = jax.random.randint(jax.random.key(0), (16, 8), 0, 37)
+  params = model.init(jax.random.key(1), tokens)
+  config = zjax.ZeroConfig(param_persistence_threshold=0)
+  schedule, compiled = assert_parity(lambda p, b: model.apply(p, b), params, tokens, n=n,
+                                     config=config)
+  assert rolled_lengths(schedule) == [3], schedule.rolling
+  assert_report_matches(schedule, compiled)
+
+
+def test_layers_that_differ_in_one_op_are_named():
+  class Layer(nn.Module):
+    odd: bool
+
+    @nn.compact
+    def __call__(self, x):
+      y = nn.Dense(x.shape[-1], name="fc")(nn.LayerNorm()(x))
+      y = 2.0 * y if self.odd else jnp.tanh(y)
+      return x + nn.Dense(x.shape[-1], name="out")(y)
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for i in range(3):
+        x = Layer(i == 1, name=f"layer_{i}")(x)
+      return jnp.mean(x)
+
+  model, x = Net(), jnp.ones((16, 512))
+  schedule = zjax.compile_schedule(lambda p, b: model.apply(p, b), model.init(
+      jax.random.key(0), x), x, num_devices=8, config=zjax.ZeroConfig(
+          param_persistence_threshold=0))
+  assert not loops(schedule)
+  (note,) = schedule.rolling
+  assert "layer_0" in note and "(tanh)" in note and "(mul)" in note, note

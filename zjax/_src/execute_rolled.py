@@ -11,7 +11,7 @@ run's layer order.
 import jax.numpy as jnp
 from jax import lax
 
-from zjax._src import loop_parts, offload
+from zjax._src import loop_parts, offload, roll
 from zjax._src import segments as seg_lib
 from zjax._src.errors import ScheduleMismatchError
 from zjax._src.execute_loop import Loop, _is_float, _read, _write
@@ -26,7 +26,7 @@ class RolledLoop(Loop):
     self.first_xs = self.num_consts + self.num_carry
     self.read_steps(forward_step, backward_step)
     self.stacked_inputs, self.layer_slices = {}, {}
-    self.template = dp.program.ops[run.start:run.start + run.block]
+    self.template = roll.template_ops(dp.program, run)
     for layers in run.stacked:
       stored = dp.s.storage[dp.storage_of[layers[0]]].members
       if stored != tuple(layers):

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax._src.interpreters import partial_eval as pe  # JAX's own DCE (as segments.py)
 
-from zjax._src import ir
+from zjax._src import ir, roll
 from zjax._src import segments as seg_lib
 from zjax._src.trace import LAYOUT_PRIMITIVES, sub_jaxprs
 
@@ -42,7 +42,7 @@ def part_runner(program, run, members, entries, bucket_of) -> "PartRunner":
   """The PartRunner of a rolled run (shared by the planner and the executor): members[b]
   are bucket b's layer-0 parameter indices, bucket_of maps a layer-0 parameter to its
   bucket, entries are the parameters (persistent ones are not gathered)."""
-  template = program.ops[run.start:run.start + run.block]
+  template = roll.template_ops(program, run)
   sharded = {p: layers[0] for p, layers in enumerate(run.stacked)
              if not entries[layers[0]].persistent}
   replicated = [p for p in range(len(run.stacked)) if p not in sharded]

@@ -11,7 +11,9 @@ same way inside the block, and connected as a loop:
     its shape, dtype, persistence and frozen flag (a per-layer weight, stacked in the
     loop), or it is the same parameter in every block (a const);
   * scalar constants may differ per layer (Flax folds a hash of the module name into its
-    dropout key): they become a per-iteration input;
+    dropout key): they become a per-iteration input; so may the offsets of a static slice
+    (`head_mask[i]` in layer i, as Hugging Face's BERT writes it): the loop runs it as a
+    dynamic slice at the iteration's offsets;
   * nothing outside the run reads a value of a block other than the last, and what it
     reads of the last one is carried out of the loop.
 The planner runs such a run as one loop step (one layer's gathers, compute and
@@ -23,8 +25,10 @@ import dataclasses
 import hashlib
 import re
 
+import jax
 import jax.extend.core as jex
 import numpy as np
+from jax import lax
 
 from zjax._src.program import FlatProgram
 
@@ -77,6 +81,9 @@ class Run:
   outputs: tuple[int, ...]  # per carry: the last block's value id (the run's result)
   stacked: tuple[tuple[int, ...], ...]  # per stacked position: parameter index per layer
   xs: tuple  # per-layer scalars: numpy arrays of shape [L]
+  # template ops that are static slices at per-layer offsets: run as dynamic slices, their
+  # sources extended by one start per dim (("xs", k) or ("lit", offset))
+  dynamic_slices: tuple[int, ...] = ()
 
   @property
   def end(self) -> int:
@@ -104,7 +111,7 @@ def find_runs(program: FlatProgram, params: list[ParamFacts], excluded=frozenset
            f"({layer_names(params, r)})" for r in chosen]
   notes += _why_not_notes(finder, rejected, covered)
   notes += [note for run in chosen for note in finder.neighbours(run, covered)]
-  return Rolling(tuple(chosen), tuple(notes) or ("no repeated layers",))
+  return Rolling(tuple(chosen), tuple(notes) or (finder.near_miss() or "no repeated layers",))
 
 
 def _why_not_notes(finder, rejected, covered) -> list[str]:
@@ -128,6 +135,22 @@ def analyze_run(program: FlatProgram, params: list[ParamFacts], start: int, bloc
     raise ValueError(f"ops [{start}, {start + block * length}) are not {length} identical "
                      f"layers: {why}")
   return run
+
+
+def template_ops(program: FlatProgram, run: Run) -> list:
+  """The ops one iteration of `run` applies (block 0's, with each static slice at per-layer
+  offsets made a dynamic slice that reads its starts after its operand, as its sources
+  say)."""
+  ops = list(program.ops[run.start:run.start + run.block])
+  for j in run.dynamic_slices:
+    op, eqn = ops[j], ops[j].eqn
+    sizes = tuple(b - a for a, b in zip(eqn.params["start_indices"],
+                                        eqn.params["limit_indices"]))
+    starts = [jex.Var(jax.core.ShapedArray((), np.int32)) for _ in sizes]
+    eqn = eqn.replace(primitive=lax.dynamic_slice_p, invars=[eqn.invars[0], *starts],
+                      params={"slice_sizes": sizes})
+    ops[j] = dataclasses.replace(op, eqn=eqn, inputs=op.inputs + (None,) * len(sizes))
+  return ops
 
 
 def layer_names(params, run) -> str:
@@ -215,6 +238,24 @@ class _Finder:
           return f" ({self.where(k)}: {mine} on other shapes than {self.where(t)})"
         return (f" ({self.where(k)}: {mine}, where the rolled layers run {self.where(t)}: "
                 f"{theirs})")
+    return ""
+
+  def near_miss(self) -> str:
+    """Layers that repeat but for one op in each: the first such op, in the model's terms
+    ('' if there are none). Such layers form no candidate run (module docstring)."""
+    sigs = np.asarray(self.sigs)
+    for block in sorted(self._periods(), reverse=True):
+      if 2 * block > len(sigs):
+        continue
+      same = sigs[:-block] == sigs[block:]  # op k is op k + block's computation
+      window = np.convolve(same, np.ones(block, int), "valid")  # matches in [k, k + block)
+      for k in np.flatnonzero(window == block - 1):
+        if k + 2 * block <= len(sigs) and self._looks_like_layers(int(k), block):
+          m = int(k + np.flatnonzero(~same[k:k + block])[0])
+          return (f"not rolled: {self.span_names(int(k), int(k) + 2 * block, block)}: "
+                  f"{self.where(m)} ({self.ops[m].primitive}) and {self.where(m + block)} "
+                  f"({self.ops[m + block].primitive}) in the next layer differ (other ops, "
+                  f"shapes or parameters); every other op repeats")
     return ""
 
   # ---- where runs may be ---------------------------------------------------------------
@@ -332,6 +373,7 @@ class _Wiring:
     self.consts, self.carries, self.stacked, self.xs = {}, {}, {}, {}
     self.per_layer = []  # per layer: stacked position -> parameter index
     self.literals = []  # per layer: xs position -> scalar
+    self.starts = []  # per layer: template op -> its static slice's offsets
     self._first_block()
 
   def _first_block(self):
@@ -343,6 +385,11 @@ class _Wiring:
           literal_values[(j, q)] = _literal_value(a)
     self.per_layer.append(layer_params)
     self.literals.append(literal_values)
+    self.starts.append(self._starts(self.start))
+
+  def _starts(self, base) -> dict:
+    return {j: _slice_starts(self.f.ops[base + j]) for j, op in enumerate(self.template)
+            if _offset_free(op)}
 
   def _first_source(self, j, q, a, layer_params):
     if isinstance(a, jex.Literal):
@@ -377,6 +424,7 @@ class _Wiring:
           return f"{self.f.where(base + j)} ({other.primitive}) of layer {layer}: {why}"
     self.per_layer.append(layer_params)
     self.literals.append(literal_values)
+    self.starts.append(self._starts(base))
     return ""
 
   def _match(self, j, q, a, b, layer, layer_params, literal_values) -> str:
@@ -452,6 +500,7 @@ class _Wiring:
                   f"({self.f.where(self.start + j)})")
         xs_pos[(j, q)] = len(xs)
         xs.append(np.stack(values))
+    dynamic = self._dynamic_slices(length, xs, sources)
     consts, const_pos = [], {}
     for j, op in enumerate(self.template):
       for q, a in enumerate(op.inputs):
@@ -471,7 +520,25 @@ class _Wiring:
     last = self.start + self.block * (length - 1)
     outputs = tuple(self.f.ops[last + j].outputs[o] for j, o in carry_out)
     return Run(self.start, self.block, length, tuple(tuple(s) for s in sources),
-               tuple(consts), tuple(carry_in), carry_out, outputs, tuple(stacked), tuple(xs))
+               tuple(consts), tuple(carry_in), carry_out, outputs, tuple(stacked), tuple(xs),
+               dynamic)
+
+  def _dynamic_slices(self, length, xs, sources) -> tuple[int, ...]:
+    """Template slices whose offsets differ between layers: each gets one start source per
+    dim appended (a per-layer one in `xs` where the offsets differ); -> their ops."""
+    dynamic = []
+    for j in sorted(self.starts[0]):
+      offsets = np.array([self.starts[layer][j] for layer in range(length)], np.int32)
+      if (offsets == offsets[0]).all():
+        continue
+      for d in range(offsets.shape[1]):
+        if (offsets[:, d] == offsets[0, d]).all():
+          sources[j].append(("lit", np.int32(offsets[0, d])))
+        else:
+          sources[j].append(("xs", len(xs)))
+          xs.append(offsets[:, d])
+      dynamic.append(j)
+    return tuple(dynamic)
 
   def _parameters(self, length):
     """(stacked positions' per-layer parameter indices, sources with params resolved)."""
@@ -532,11 +599,25 @@ def _signatures(ops) -> list[int]:
   ids: dict = {}
   out = []
   for op in ops:
-    key = (op.primitive, _params_key(op.eqn.params),
+    params = op.eqn.params
+    if _offset_free(op):  # a slice's offsets may differ per layer: its sizes must not
+      params = {"sizes": tuple(b - a for a, b in zip(params["start_indices"],
+                                                     params["limit_indices"]))}
+    key = (op.primitive, _params_key(params),
            tuple(_input_key(a) for a in op.eqn.invars),
            tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in op.eqn.outvars))
     out.append(ids.setdefault(key, len(ids)))
   return out
+
+
+def _offset_free(op) -> bool:
+  """A static slice without strides: one a dynamic slice can run at other offsets."""
+  strides = op.eqn.params.get("strides") if op.primitive == "slice" else None
+  return op.primitive == "slice" and (strides is None or all(t == 1 for t in strides))
+
+
+def _slice_starts(op):
+  return tuple(op.eqn.params["start_indices"]) if _offset_free(op) else None
 
 
 def _input_key(atom):
