@@ -11,6 +11,7 @@ bug: uneven nested sharding).
 import collections
 
 import flax.linen as nn
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -918,3 +919,66 @@ def test_a_vocab_parallel_lookup_recomputed_in_backward_is_estimated_twice(
   text = zjax.hlo.compile_for_analysis(step.lower(sharded, tokens)).as_text()
   measured = zjax.hlo.executed_by_axis(text, dict(mesh.shape))
   assert zjax.hlo.bytes_over(measured, "tensor") == len(phases) * lookup
+
+
+
+class OutShardedNNX(nnx.Module):
+  """Sharding in types as flax's gemma example writes it: nnx.Embed's `out_sharding=` and a
+  `jax.sharding.reshard` (a data axis on the batch, the tensor axis on the features),
+  traced by zjax as constraints without the data axes; or an nnx.Linear's `out_sharding=`
+  (dot_general's own parameter), which it cannot trace."""
+
+  def __init__(self, rngs):
+    split = lambda names: nnx.with_partitioning(nnx.initializers.lecun_normal(), names)  # noqa
+    self.embed = nnx.Embed(37, 16, rngs=rngs)
+    self.up = nnx.Linear(16, 64, use_bias=False, kernel_init=split((None, "tensor")),
+                         rngs=rngs)
+    self.down = nnx.Linear(64, 16, use_bias=False, kernel_init=split(("tensor", None)),
+                           rngs=rngs)
+
+  def __call__(self, tokens, typed=True, linear_out_sharding=False):
+    x = self.embed(tokens, out_sharding=P("fsdp", None, None) if typed else None)
+    if linear_out_sharding:
+      h = self.up(x, out_sharding=P("fsdp", None, "tensor"))
+    else:
+      h = self.up(x)
+      h = jax.sharding.reshard(h, P("fsdp", None, "tensor")) if typed else h
+    return jnp.mean(self.down(jax.nn.gelu(h)) ** 2)
+
+
+def out_sharded_case():
+  with nnx.use_eager_sharding(False):
+    model = OutShardedNNX(nnx.Rngs(0))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss_fn(p, b, **kw):
+    return nnx.merge(graphdef, p, rest)(b, **kw)
+  return loss_fn, params, jax.random.randint(jax.random.key(3), (8, 12), 0, 37)
+
+
+OUT_SHARDED_CONFIG = zjax.ZeroConfig(shard_axes=("fsdp",), tensor_axes=("tensor",),
+                                     param_persistence_threshold=0)
+
+
+@pytest.mark.parametrize("name", ["fsdp4_tensor2", "fsdp2_tensor4"])
+def test_nnx_out_sharding_under_tensor_parallelism(name):
+  loss_fn, params, tokens = out_sharded_case()
+  mesh = auto_mesh(*MESHES[name][:2])
+  schedule = zjax.compile_schedule(loss_fn, params, tokens, mesh=mesh,
+                                   config=OUT_SHARDED_CONFIG)
+  assert schedule.report()["tensor_parallel_params"] == 2
+  assert any("out_sharding" in note for note in schedule.notes), schedule.notes
+  assert any("reshard" in note for note in schedule.notes), schedule.notes
+  assert any("data axes ['fsdp'] dropped" in note for note in schedule.notes)
+  step, sharded = step_matches_reference(loss_fn, schedule, mesh, params, tokens,
+                                         lambda p, b: loss_fn(p, b, typed=False))
+  assert_report_equals_hlo(step, (sharded, tokens), mesh, schedule)
+
+
+def test_an_out_sharding_zjax_cannot_trace_names_the_call_and_the_fix():
+  loss_fn, params, tokens = out_sharded_case()
+  with pytest.raises(zjax.TraceError, match=r"(?s)dot_general.*test_tensor_parallel.py.*"
+                                            r"with_sharding_constraint"):
+    zjax.compile_schedule(lambda p, b: loss_fn(p, b, linear_out_sharding=True), params,
+                          tokens, mesh=auto_mesh((4, 2), ("fsdp", "tensor")),
+                          config=OUT_SHARDED_CONFIG)

@@ -10,7 +10,9 @@ A constraint naming a data axis (MaxText's rules map the batch dimension to `dat
 `fsdp`) would be refused by JAX there: those axes are manual. zjax has split the batch over
 them already, so the constraint's meaning on one device's share is the same spec without
 the data axes, and that is what is traced (the schedule's notes say which constraints lost
-which axes). The rewrite is at `jax.lax.with_sharding_constraint`, which Flax's logical
+which axes). Sharding in types is traced the same way: `jax.sharding.auto_axes(...,
+out_sharding=)` (Flax NNX's `out_sharding=` arguments) and `jax.sharding.reshard` become
+such constraints on their outputs. The rewrite is at `jax.lax.with_sharding_constraint`, which Flax's logical
 constraints call too; code that imported the function by name before zjax traced it gets a
 TraceError that says what to change.
 """
@@ -51,12 +53,35 @@ def tracing_mesh(mesh: AbstractMesh | None, data_axes, notes: list[str] | None =
     return original(x, jax.tree.map(lambda s: _without_data_axes(s, data_axes, x, notes),
                                     shardings, is_leaf=_is_sharding))
 
+  def auto_axes(fun=None, /, *, axes=None, out_sharding=None):
+    return _as_constraint(fun, out_sharding, constrain, notes)
+
+  def reshard(xs, out_shardings):
+    _note_types(notes, "jax.sharding.reshard")
+    return constrain(xs, out_shardings)
+
+  patched = {"auto_axes": auto_axes, "reshard": reshard}
+  saved = {name: getattr(jax.sharding, name) for name in patched}
   jax.lax.with_sharding_constraint = constrain
+  for name, fn in patched.items():
+    setattr(jax.sharding, name, fn)
   try:
     with jax.sharding.use_abstract_mesh(mesh):
       yield
-  except ValueError as e:
-    if "Auto axes" not in str(e) and "not found in mesh" not in str(e):
+  except (ValueError, NotImplementedError) as e:
+    if _typed_sharding_refused(e):
+      raise TraceError(
+          f"The loss asks for a sharding in types that zjax cannot trace under tensor "
+          f"parallelism ({str(e).splitlines()[0]}). zjax traces the loss with the data axes "
+          f"{list(data_axes)} manual (it splits the batch over them) and the tensor axis "
+          f"Auto, so an op's out_sharding= (e.g. nnx.Linear(...)(x, out_sharding=...), "
+          f"jnp.dot(..., out_sharding=...)) cannot name them. Drop that out_sharding and "
+          f"constrain the output instead: jax.lax.with_sharding_constraint(y, P(...)) or "
+          f"nn.with_logical_constraint (zjax keeps the tensor axis and drops the data "
+          f"axes); out_sharding= of nnx.Embed and jax.sharding.reshard are rewritten so "
+          f"already.") from None
+    if not isinstance(e, ValueError) or (
+        "Auto axes" not in str(e) and "not found in mesh" not in str(e)):
       raise
     named = [a for a in data_axes if a in str(e)]
     raise TraceError(
@@ -70,6 +95,38 @@ def tracing_mesh(mesh: AbstractMesh | None, data_axes, notes: list[str] | None =
     ) from None
   finally:
     jax.lax.with_sharding_constraint = original
+    for name, fn in saved.items():
+      setattr(jax.sharding, name, fn)
+
+
+def _typed_sharding_refused(e) -> bool:
+  """JAX's refusal of an op's out_sharding over manual or Auto axes."""
+  text = str(e)
+  return ("cannot contain axis names that are of type Auto or Manual" in text or
+          "Going from `Manual` AxisType" in text)
+
+
+def _as_constraint(fun, out_sharding, constrain, notes):
+  """`jax.sharding.auto_axes(fun, out_sharding=...)` as zjax traces it: `fun` on the axes
+  as they are (the tensor axis is Auto already; the data axes are manual and may not turn
+  Auto), its output under the constraint `out_sharding` less the data axes. Flax NNX's
+  `out_sharding=` arguments (nnx.Embed, nnx.Linear, ...) call it."""
+  def wrap(f):
+    def run(*args, **kwargs):
+      out = f(*args, **kwargs)
+      if out_sharding is None:
+        return out
+      _note_types(notes, "an out_sharding (jax.sharding.auto_axes)")
+      return constrain(out, out_sharding)
+    return run
+  return wrap if fun is None else wrap(fun)
+
+
+def _note_types(notes, what):
+  note = (f"{what}: traced as a sharding constraint (zjax traces the loss with the data "
+          f"axes manual and the tensor axis Auto)")
+  if note not in notes:
+    notes.append(note)
 
 
 def _is_sharding(s) -> bool:
