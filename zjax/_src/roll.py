@@ -248,7 +248,8 @@ class _Finder:
       if 2 * block > len(sigs):
         continue
       same = sigs[:-block] == sigs[block:]  # op k is op k + block's computation
-      window = np.convolve(same, np.ones(block, int), "valid")  # matches in [k, k + block)
+      total = np.concatenate([[0], np.cumsum(same)])
+      window = total[block:] - total[:-block]  # matches in [k, k + block)
       for k in np.flatnonzero(window == block - 1):
         if k + 2 * block <= len(sigs) and self._looks_like_layers(int(k), block):
           m = int(k + np.flatnonzero(~same[k:k + block])[0])
