@@ -10,11 +10,12 @@ A constraint naming a data axis (MaxText's rules map the batch dimension to `dat
 `fsdp`) would be refused by JAX there: those axes are manual. zjax has split the batch over
 them already, so the constraint's meaning on one device's share is the same spec without
 the data axes, and that is what is traced (the schedule's notes say which constraints lost
-which axes). Sharding in types is traced the same way: `jax.sharding.auto_axes(...,
-out_sharding=)` (Flax NNX's `out_sharding=` arguments) and `jax.sharding.reshard` become
-such constraints on their outputs. The rewrite is at `jax.lax.with_sharding_constraint`, which Flax's logical
+which axes). The rewrite is at `jax.lax.with_sharding_constraint`, which Flax's logical
 constraints call too; code that imported the function by name before zjax traced it gets a
-TraceError that says what to change.
+TraceError that says what to change. Sharding in types is traced the same way:
+`jax.sharding.auto_axes(..., out_sharding=)` (nnx.Embed's `out_sharding=`) and
+`jax.sharding.reshard` become such constraints on their outputs; an op's own out_sharding
+(nnx.Linear's) cannot name manual axes, and gets a TraceError naming the call.
 """
 
 import contextlib

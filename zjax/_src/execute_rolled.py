@@ -175,11 +175,11 @@ class RolledLoop(Loop):
 
   def _gatherer(self, rows: dict, phase: str):
     """gather(bucket, tie) -> the layer's values of the bucket, for one iteration of a
-    layer cut into parts. Each gather reads this layer's rows through the barrier of the
-    gather before it, so two gathers of one bucket in one iteration (released between, as
-    max_reuse_distance=0 plans) read different values: XLA cannot merge them, even where
-    its algebraic simplifier drops a tie that nothing else reads (a recomputed output that
-    the backward does not use) and the two barriers become alike."""
+    layer cut into parts. Each gather of a bucket reads the bucket's rows through the
+    barrier of that bucket's previous gather, so two gathers of one bucket in one iteration
+    (released between, as max_reuse_distance=0 plans) read different values: XLA cannot
+    merge them, even where its algebraic simplifier drops a tie that nothing else reads (a
+    recomputed output that the backward does not use) and the two barriers become alike."""
     def gather(b, tie):
       mine, _ = lax.optimization_barrier(({i: rows[i] for i in self.dp.members[b]}, tie))
       rows.update(mine)

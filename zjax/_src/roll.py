@@ -144,8 +144,7 @@ def template_ops(program: FlatProgram, run: Run) -> list:
   ops = list(program.ops[run.start:run.start + run.block])
   for j in run.dynamic_slices:
     op, eqn = ops[j], ops[j].eqn
-    sizes = tuple(b - a for a, b in zip(eqn.params["start_indices"],
-                                        eqn.params["limit_indices"]))
+    sizes = _slice_sizes(eqn.params)
     starts = [jex.Var(jax.core.ShapedArray((), np.int32)) for _ in sizes]
     eqn = eqn.replace(primitive=lax.dynamic_slice_p, invars=[eqn.invars[0], *starts],
                       params={"slice_sizes": sizes})
@@ -602,8 +601,7 @@ def _signatures(ops) -> list[int]:
   for op in ops:
     params = op.eqn.params
     if _offset_free(op):  # a slice's offsets may differ per layer: its sizes must not
-      params = {"sizes": tuple(b - a for a, b in zip(params["start_indices"],
-                                                     params["limit_indices"]))}
+      params = {"sizes": _slice_sizes(params)}
     key = (op.primitive, _params_key(params),
            tuple(_input_key(a) for a in op.eqn.invars),
            tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in op.eqn.outvars))
@@ -615,6 +613,10 @@ def _offset_free(op) -> bool:
   """A static slice without strides: one a dynamic slice can run at other offsets."""
   strides = op.eqn.params.get("strides") if op.primitive == "slice" else None
   return op.primitive == "slice" and (strides is None or all(t == 1 for t in strides))
+
+
+def _slice_sizes(params) -> tuple[int, ...]:
+  return tuple(b - a for a, b in zip(params["start_indices"], params["limit_indices"]))
 
 
 def _slice_starts(op):
