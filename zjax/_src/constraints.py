@@ -19,6 +19,9 @@ TraceError that says what to change. Sharding in types is traced the same way:
 """
 
 import contextlib
+import os
+import sysconfig
+import traceback
 
 import jax
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
@@ -73,7 +76,8 @@ def tracing_mesh(mesh: AbstractMesh | None, data_axes, notes: list[str] | None =
     if _typed_sharding_refused(e):
       raise TraceError(
           f"The loss asks for a sharding in types that zjax cannot trace under tensor "
-          f"parallelism ({str(e).splitlines()[0]}). zjax traces the loss with the data axes "
+          f"parallelism ({str(e).splitlines()[0]}){_user_call_site(e)}. zjax traces the loss "
+          f"with the data axes "
           f"{list(data_axes)} manual (it splits the batch over them) and the tensor axis "
           f"Auto, so an op's out_sharding= (e.g. nnx.Linear(...)(x, out_sharding=...), "
           f"jnp.dot(..., out_sharding=...)) cannot name them. Drop that out_sharding and "
@@ -98,6 +102,28 @@ def tracing_mesh(mesh: AbstractMesh | None, data_axes, notes: list[str] | None =
     jax.lax.with_sharding_constraint = original
     for name, fn in saved.items():
       setattr(jax.sharding, name, fn)
+
+
+def _user_call_site(e) -> str:
+  """' at FILE:LINE (FUNCTION)' for the innermost frame of `e`'s traceback in the user's own
+  code (not JAX, Flax, zjax or the standard library), so the error names the call to change
+  whatever JAX's own source note picked; '' when there is none."""
+  library_dirs = tuple(os.path.dirname(m.__file__) + os.sep for m in _library_modules())
+  library_dirs += (sysconfig.get_paths()["stdlib"] + os.sep,)
+  user = [f for f in traceback.extract_tb(e.__traceback__)
+          if not os.path.abspath(f.filename).startswith(library_dirs)]
+  if not user:
+    return ""
+  frame = user[-1]
+  return f", called at {frame.filename}:{frame.lineno} ({frame.name})"
+
+
+def _library_modules():
+  import flax
+  import jaxlib
+
+  import zjax
+  return (jax, jaxlib, flax, zjax)
 
 
 def _typed_sharding_refused(e) -> bool:
