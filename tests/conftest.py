@@ -25,3 +25,49 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))  # example models are test fixtures too
+
+
+# --- Suite statistics (opt-in): ZJAX_TEST_STATS=FILE.jsonl writes one line per test with its
+# seconds (setup + call + teardown), XLA compiles (each `backend_compile` of this process),
+# how many of those the persistent cache answered (a program compiled before, in this session
+# or one of its processes), and subprocesses started. `python tests/suite_stats.py FILE...`
+# sums them per file. Subprocesses' own compiles are not counted here.
+if os.environ.get("ZJAX_TEST_STATS"):
+  import json
+  import subprocess
+  import time
+
+  import pytest
+  from jax import monitoring
+
+  _counts = {"compiles": 0, "compile_s": 0.0, "cache_hits": 0, "subprocesses": 0}
+
+  def _on_duration(event, seconds, **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+      _counts["compiles"] += 1
+      _counts["compile_s"] += seconds
+
+  def _on_event(event, **_):
+    if event == "/jax/compilation_cache/cache_hits":
+      _counts["cache_hits"] += 1
+
+  monitoring.register_event_duration_secs_listener(_on_duration)
+  monitoring.register_event_listener(_on_event)
+  _popen_init = subprocess.Popen.__init__
+
+  def _counting_popen_init(self, *args, **kwargs):
+    _counts["subprocesses"] += 1
+    _popen_init(self, *args, **kwargs)
+
+  subprocess.Popen.__init__ = _counting_popen_init
+
+  @pytest.hookimpl(hookwrapper=True)
+  def pytest_runtest_protocol(item, nextitem):
+    before, start = dict(_counts), time.perf_counter()
+    yield
+    row = {"test": item.nodeid, "file": item.nodeid.split("::")[0],
+           "seconds": round(time.perf_counter() - start, 3),
+           "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}
+    row.update({k: round(v - before[k], 3) for k, v in _counts.items()})
+    with open(os.environ["ZJAX_TEST_STATS"], "a") as f:
+      f.write(json.dumps(row) + "\n")
