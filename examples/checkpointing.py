@@ -26,6 +26,7 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   from devices import setup_devices
+
   setup_devices(8)
   directory = args.dir or tempfile.mkdtemp(prefix="zjax-ckpt-")
   try:
@@ -41,17 +42,18 @@ def run(directory, args):
   import jax
   import numpy as np
   import optax
-  from gpt import GPT, GPTConfig, abstract_setup
 
   import zjax
+  from gpt import GPT, GPTConfig, abstract_setup
 
   cfg = GPTConfig(n_layer=args.layers, d_model=args.d_model, d_ff=4 * args.d_model)
   loss, shapes, batch_shapes = abstract_setup(cfg, batch_size=8)
 
   def trainer_on(n):
     mesh = jax.make_mesh((n,), ("fsdp",), devices=jax.devices()[:n])
-    schedule = zjax.compile_schedule(loss, shapes, batch_shapes, mesh=mesh,
-                                     config=zjax.ZeroConfig())
+    schedule = zjax.compile_schedule(
+      loss, shapes, batch_shapes, mesh=mesh, config=zjax.ZeroConfig()
+    )
     return zjax.zero3(loss, optax.adamw(1e-3), schedule, mesh=mesh)
 
   trainer = trainer_on(8)
@@ -61,7 +63,10 @@ def run(directory, args):
     state, metrics = trainer.step(state, {"tokens": tokens})
   jax.block_until_ready(state)
   model_bytes = sum(int(np.prod(s.shape)) * 4 for s in jax.tree.leaves(shapes))
-  yield f"GPT {args.layers} layers, d_model {args.d_model}: {model_bytes / 2**20:.2f} MiB of fp32 params (+ 2x adamw)"
+  mib = model_bytes / 2**20
+  yield f"GPT {args.layers} layers, d_model {args.d_model}: {mib:.2f} MiB of fp32 params" + (
+    " (+ 2x adamw)"
+  )
 
   ckpt = zjax.CheckpointManager(directory, trainer, max_to_keep=2)
   ckpt.save(0, state)  # warm-up: compiles the checksum program
@@ -81,12 +86,16 @@ def run(directory, args):
   ckpt.close()
 
   peak, exported_bytes = export_in_fresh_process(directory)
-  yield (f"export (fresh process, no mesh): peak RSS grew {peak / 2**20:.2f} MiB while "
-         f"reading {exported_bytes / 2**20:.2f} MiB of params (largest parameter "
-         f"{max(int(np.prod(s.shape)) * 4 for s in jax.tree.leaves(shapes)) / 2**20:.2f} MiB)")
+  yield (
+    f"export (fresh process, no mesh): peak RSS grew {peak / 2**20:.2f} MiB while "
+    f"reading {exported_bytes / 2**20:.2f} MiB of params (largest parameter "
+    f"{max(int(np.prod(s.shape)) * 4 for s in jax.tree.leaves(shapes)) / 2**20:.2f} MiB)"
+  )
   exported = zjax.export_params(directory)
-  same = all(np.array_equal(a, b) for a, b in zip(
-      jax.tree.leaves(exported), jax.tree.leaves(target.gather_params(restored))))
+  same = all(
+    np.array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(target.gather_params(restored)))
+  )
   yield f"export equals gather_params: {same}"
 
 
@@ -110,8 +119,13 @@ print(status("VmHWM") - before, sum(x.nbytes for x in jax.tree.leaves(params)))
 def export_in_fresh_process(directory):
   """(peak RSS growth during export_params, bytes exported), in a process that did nothing
   else (imports done before the baseline)."""
-  out = subprocess.run([sys.executable, "-c", _EXPORT, directory], capture_output=True,
-                       text=True, check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  out = subprocess.run(
+    [sys.executable, "-c", _EXPORT, directory],
+    capture_output=True,
+    text=True,
+    check=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
   grown, exported = out.stdout.split()[-2:]
   return int(grown), int(exported)
 

@@ -19,8 +19,9 @@ from zjax.models.gpt import GPT
 
 parser = argparse.ArgumentParser()
 parser.add_argument("run_dir", help="a `zjax train --out-dir` directory")
-parser.add_argument("--save-to", default=None, help="plain checkpoint path (default: "
-                    "RUN_DIR/plain_params)")
+parser.add_argument(
+  "--save-to", default=None, help="plain checkpoint path (default: RUN_DIR/plain_params)"
+)
 args = parser.parse_args()
 run = pathlib.Path(args.run_dir)
 save_to = pathlib.Path(args.save_to or run / "plain_params").absolute()
@@ -28,7 +29,7 @@ save_to = pathlib.Path(args.save_to or run / "plain_params").absolute()
 params = zjax.export_params(run / "checkpoints", save_to=save_to)  # numpy, one leaf at a time
 print("exported", sum(x.size for x in jax.tree.leaves(params)), "parameters to", save_to)
 
-plain = ocp.StandardCheckpointer().restore(save_to)        # no zjax involved from here on
+plain = ocp.StandardCheckpointer().restore(save_to)  # no zjax involved from here on
 settings = json.loads((run / "metrics.json").read_text())["settings"]
 model = GPT(model_config(settings))  # the GPT those settings train
 tokens = jnp.asarray([list(b"def main():")], jnp.int32)

@@ -21,19 +21,19 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 COLLECTIVES = {
-    "reduce_scatter": lambda v: jax.lax.psum_scatter(v, "x", scatter_dimension=0, tiled=True),
-    "all_gather": lambda v: jax.lax.all_gather(v, "x", tiled=True),
-    "all_reduce": lambda v: jax.lax.psum(v, "x"),
+  "reduce_scatter": lambda v: jax.lax.psum_scatter(v, "x", scatter_dimension=0, tiled=True),
+  "all_gather": lambda v: jax.lax.all_gather(v, "x", tiled=True),
+  "all_reduce": lambda v: jax.lax.psum(v, "x"),
 }
 
 
 def main():
   kind, late = sys.argv[1], float(sys.argv[2])
   mesh = jax.make_mesh((jax.device_count(),), ("x",))
-  step = jax.jit(jax.shard_map(COLLECTIVES[kind], mesh=mesh, in_specs=P("x"),
-                               out_specs=P("x")))
+  step = jax.jit(jax.shard_map(COLLECTIVES[kind], mesh=mesh, in_specs=P("x"), out_specs=P("x")))
   x = jax.make_array_from_process_local_data(
-      NamedSharding(mesh, P("x")), np.ones((8 * jax.local_device_count(),), np.float32))
+    NamedSharding(mesh, P("x")), np.ones((8 * jax.local_device_count(),), np.float32)
+  )
   step(x).block_until_ready()  # compiled, and run once by both processes together
   if jax.process_index() == 1:
     time.sleep(late)

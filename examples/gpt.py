@@ -10,14 +10,25 @@ needs no device memory:
 import dataclasses
 
 import zjax
-from zjax.models.gpt import (GPT, MLP, Attention, Block, GPTConfig, ScanBlock,  # noqa: F401
-                             abstract_setup, make_loss_fn)
-
+from zjax.models.gpt import (  # noqa: F401
+  GPT,
+  MLP,
+  Attention,
+  Block,
+  GPTConfig,
+  ScanBlock,
+  abstract_setup,
+  make_loss_fn,
+)
 
 # Knobs for the example schedules: small enough that a small model shows every step kind
 # (prefetch, release, re-gather, kept buckets at the forward/backward turn).
-EXAMPLE_CONFIG = zjax.ZeroConfig(prefetch_bucket_size=70_000, max_live_parameters=400_000,
-                                 max_reuse_distance=200_000, param_persistence_threshold=4096)
+EXAMPLE_CONFIG = zjax.ZeroConfig(
+  prefetch_bucket_size=70_000,
+  max_live_parameters=400_000,
+  max_reuse_distance=200_000,
+  param_persistence_threshold=4096,
+)
 
 
 def inspect_gpt():
@@ -28,8 +39,9 @@ def inspect_gpt():
 def inspect_scan_gpt():
   """The same GPT with its blocks stacked by nn.scan: the stacked kernels are gathered one
   layer per iteration inside the loop, the next layer prefetched."""
-  config = dataclasses.replace(EXAMPLE_CONFIG, prefetch_bucket_size=200_000,
-                               max_live_parameters=600_000)
+  config = dataclasses.replace(
+    EXAMPLE_CONFIG, prefetch_bucket_size=200_000, max_live_parameters=600_000
+  )
   return (*abstract_setup(GPTConfig(scan_layers=True)), config)
 
 

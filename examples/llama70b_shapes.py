@@ -51,18 +51,29 @@ def loss_fn(params, batch):
 def shapes(dtype=jnp.float32) -> dict:
   s = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)
   kv = D_MODEL // HEADS * KV_HEADS
-  layer = {"attn_norm": s(LAYERS, D_MODEL), "wq": s(LAYERS, D_MODEL, D_MODEL),
-           "wk": s(LAYERS, D_MODEL, kv), "wv": s(LAYERS, D_MODEL, kv),
-           "wo": s(LAYERS, D_MODEL, D_MODEL), "mlp_norm": s(LAYERS, D_MODEL),
-           "w_gate": s(LAYERS, D_MODEL, D_FF), "w_up": s(LAYERS, D_MODEL, D_FF),
-           "w_down": s(LAYERS, D_FF, D_MODEL)}
-  return {"embed": s(VOCAB, D_MODEL), "layers": layer, "final_norm": s(D_MODEL),
-          "head": s(D_MODEL, VOCAB)}
+  layer = {
+    "attn_norm": s(LAYERS, D_MODEL),
+    "wq": s(LAYERS, D_MODEL, D_MODEL),
+    "wk": s(LAYERS, D_MODEL, kv),
+    "wv": s(LAYERS, D_MODEL, kv),
+    "wo": s(LAYERS, D_MODEL, D_MODEL),
+    "mlp_norm": s(LAYERS, D_MODEL),
+    "w_gate": s(LAYERS, D_MODEL, D_FF),
+    "w_up": s(LAYERS, D_MODEL, D_FF),
+    "w_down": s(LAYERS, D_FF, D_MODEL),
+  }
+  return {
+    "embed": s(VOCAB, D_MODEL),
+    "layers": layer,
+    "final_norm": s(D_MODEL),
+    "head": s(D_MODEL, VOCAB),
+  }
 
 
 def llama70b():
   """zjax inspect target: (loss_fn, params, batch, config); bf16 compute, fp32 masters."""
   import zjax
+
   batch = {"tokens": jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32)}
   # the embedding (1.05e9 elements) is one module: let it be gathered whole
   config = zjax.ZeroConfig(compute_dtype=jnp.bfloat16, max_live_parameters=int(2e9))
@@ -70,9 +81,12 @@ def llama70b():
 
 
 # torchtitan-style rules on the "/"-joined parameter path, first match wins
-TENSOR_RULES = [(r"/(wq|wk|wv|w_gate|w_up)$", P(None, "tensor")),
-                (r"/(wo|w_down)$", P("tensor", None)),
-                (r"^embed$", P("tensor", None)), (r"^head$", P(None, "tensor"))]
+TENSOR_RULES = [
+  (r"/(wq|wk|wv|w_gate|w_up)$", P(None, "tensor")),
+  (r"/(wo|w_down)$", P("tensor", None)),
+  (r"^embed$", P("tensor", None)),
+  (r"^head$", P(None, "tensor")),
+]
 
 
 def unrolled_loss_fn(params, batch):
@@ -91,11 +105,15 @@ def llama70b_tp():
   """zjax inspect target with tensor parallelism: (loss_fn, params, batch, config,
   tensor_specs); plan it with --mesh R x S x T --axes replica,fsdp,tensor."""
   import zjax
+
   params = shapes()
   stacked = params.pop("layers")
-  params["layers"] = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
-                                   stacked) for _ in range(LAYERS)]
+  params["layers"] = [
+    jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
+    for _ in range(LAYERS)
+  ]
   batch = {"tokens": jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32)}
-  config = zjax.ZeroConfig(compute_dtype=jnp.bfloat16, max_live_parameters=int(2e9),
-                           tensor_axes=("tensor",))
+  config = zjax.ZeroConfig(
+    compute_dtype=jnp.bfloat16, max_live_parameters=int(2e9), tensor_axes=("tensor",)
+  )
   return unrolled_loss_fn, params, batch, config, TENSOR_RULES

@@ -16,7 +16,6 @@ import zjax
 
 
 class ResidualMLP(nnx.Module):
-
   def __init__(self, d_in: int, d_hidden: int, n_classes: int, n_layers: int, *, rngs):
     self.stem = nnx.Linear(d_in, d_hidden, rngs=rngs)
     self.blocks = nnx.List([nnx.Linear(d_hidden, d_hidden, rngs=rngs) for _ in range(n_layers)])
@@ -50,8 +49,11 @@ def inspect_nnx_mlp():
   model = nnx.eval_shape(make_model)
   loss_fn, params = split_model(model)
   params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
-  batch = {"x": jax.ShapeDtypeStruct((16, 64), jnp.float32),
-           "y": jax.ShapeDtypeStruct((16,), jnp.int32)}
-  config = zjax.ZeroConfig(prefetch_bucket_size=70_000, max_reuse_distance=100_000,
-                           param_persistence_threshold=1024)
+  batch = {
+    "x": jax.ShapeDtypeStruct((16, 64), jnp.float32),
+    "y": jax.ShapeDtypeStruct((16,), jnp.int32),
+  }
+  config = zjax.ZeroConfig(
+    prefetch_bucket_size=70_000, max_reuse_distance=100_000, param_persistence_threshold=1024
+  )
   return loss_fn, params, batch, config

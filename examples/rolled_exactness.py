@@ -34,11 +34,15 @@ def of_case(make):
   return lambda: (lambda c: (c.loss_fn, c.params, c.batch))(make())
 
 
-MODELS = {"test gpt2": layers.CASES["gpt2"], "test llama": layers.CASES["llama"],
-          "test encdec": layers.CASES["encdec"], "real_models gpt(3)": lambda: gpt(3),
-          "real_models llama": of_case(real_models.llama),
-          "real_models bert": of_case(real_models.bert),
-          "real_models t5": of_case(real_models.t5)}
+MODELS = {
+  "test gpt2": layers.CASES["gpt2"],
+  "test llama": layers.CASES["llama"],
+  "test encdec": layers.CASES["encdec"],
+  "real_models gpt(3)": lambda: gpt(3),
+  "real_models llama": of_case(real_models.llama),
+  "real_models bert": of_case(real_models.bert),
+  "real_models t5": of_case(real_models.t5),
+}
 
 
 def main():
@@ -48,15 +52,21 @@ def main():
     loss_fn, params, batch = make()
     for knobs, kw in layers.CONFIGS.items():
       config = zjax.ZeroConfig(param_persistence_threshold=0, **kw)
-      schedule, compiled = helpers.analyse_zjax(loss_fn, params, batch, n=ARGS.devices,
-                                                config=config)
+      schedule, compiled = helpers.analyse_zjax(
+        loss_fn, params, batch, n=ARGS.devices, config=config
+      )
       report, got = schedule.report(), zjax.hlo.executed(compiled.as_text())
-      rs = all(report[f"reduce_scatter_{k}"] == got.get(f"reduce_scatter_{k}", 0)
-               for k in ("count", "bytes"))
-      print(f"| {name} | {knobs} | {report['all_gather_count']} / "
-            f"{report['all_gather_bytes']:,} | {got.get('all_gather_count', 0)} / "
-            f"{got.get('all_gather_bytes', 0):,} | {rs} | "
-            f"{compiled.memory_analysis().temp_size_in_bytes / 1024:.0f} KiB |", flush=True)
+      rs = all(
+        report[f"reduce_scatter_{k}"] == got.get(f"reduce_scatter_{k}", 0)
+        for k in ("count", "bytes")
+      )
+      print(
+        f"| {name} | {knobs} | {report['all_gather_count']} / "
+        f"{report['all_gather_bytes']:,} | {got.get('all_gather_count', 0)} / "
+        f"{got.get('all_gather_bytes', 0):,} | {rs} | "
+        f"{compiled.memory_analysis().temp_size_in_bytes / 1024:.0f} KiB |",
+        flush=True,
+      )
 
 
 if __name__ == "__main__":

@@ -39,25 +39,37 @@ def timed(fn):
 def measure(layers):
   model = gpt_model(layers, args.d_model, batch_size=2 * args.devices)
   mesh = mesh_of(args.devices)
-  schedule, plan = timed(lambda: zjax.compile_schedule(model.loss_fn, model.params,
-                                                       model.batch, mesh=mesh,
-                                                       config=model.config))
+  schedule, plan = timed(
+    lambda: zjax.compile_schedule(
+      model.loss_fn, model.params, model.batch, mesh=mesh, config=model.config
+    )
+  )
   trainer = zjax.zero3(model.loss_fn, optax.adamw(1e-3), schedule, mesh=mesh)
   state, init = timed(lambda: trainer.init(model.params))
   _, init_again = timed(lambda: trainer.init(model.params))
   lowered, lower = timed(lambda: trainer.step.lower(state, model.batch))
   _, compile_ = timed(lowered.compile)
-  return {"layers": layers, "devices": args.devices, "params": len(schedule.params),
-          "platform": jax.devices()[0].platform, "plan_s": plan, "init_s": init,
-          "init_again_s": init_again, "lower_s": lower, "compile_s": compile_}
+  return {
+    "layers": layers,
+    "devices": args.devices,
+    "params": len(schedule.params),
+    "platform": jax.devices()[0].platform,
+    "plan_s": plan,
+    "init_s": init,
+    "init_again_s": init_again,
+    "lower_s": lower,
+    "compile_s": compile_,
+  }
 
 
 rows = [measure(n) for n in args.layers]
 print("| layers | leaves | plan | init | init again | lower | compile |")
 print("|---|---|---|---|---|---|---|")
 for r in rows:
-  print(f"| {r['layers']} | {r['params']} | {r['plan_s']:.2f} s | {r['init_s']:.2f} s | "
-        f"{r['init_again_s']:.2f} s | {r['lower_s']:.2f} s | {r['compile_s']:.2f} s |")
+  print(
+    f"| {r['layers']} | {r['params']} | {r['plan_s']:.2f} s | {r['init_s']:.2f} s | "
+    f"{r['init_again_s']:.2f} s | {r['lower_s']:.2f} s | {r['compile_s']:.2f} s |"
+  )
 if args.json:
   with open(args.json, "w") as f:
     json.dump(rows, f, indent=1)

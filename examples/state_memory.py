@@ -21,6 +21,7 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   from devices import setup_devices  # simulated CPU devices
+
   setup_devices(max(args.devices))
   for row in measure(args):
     print(row)
@@ -32,9 +33,9 @@ def measure(args):
   import jax.numpy as jnp
   import numpy as np
   import optax
-  from gpt import EXAMPLE_CONFIG, GPT, GPTConfig, abstract_setup
 
   import zjax
+  from gpt import EXAMPLE_CONFIG, GPT, GPTConfig, abstract_setup
 
   cfg = GPTConfig(n_layer=args.layers, d_model=args.d_model, d_ff=4 * args.d_model)
   model = GPT(cfg)
@@ -45,18 +46,20 @@ def measure(args):
   yield f"GPT: {full // 4} parameters, {kib(full)} in fp32"
   for n in args.devices:
     mesh = jax.make_mesh((n,), ("fsdp",), devices=jax.devices()[:n])
-    schedule = zjax.compile_schedule(loss, shapes, batch_shapes, mesh=mesh,
-                                     config=EXAMPLE_CONFIG)
+    schedule = zjax.compile_schedule(loss, shapes, batch_shapes, mesh=mesh, config=EXAMPLE_CONFIG)
     trainer = zjax.zero3(loss, optax.adamw(1e-3), schedule, mesh=mesh)
     state = trainer.init_from(model.init, jax.random.key(0), tokens)
-    init = zjax.hlo.compile_for_analysis(zjax.sharded_init(model.init, schedule, mesh).lower(
-        jax.random.key(0), tokens)).memory_analysis()
+    init = zjax.hlo.compile_for_analysis(
+      zjax.sharded_init(model.init, schedule, mesh).lower(jax.random.key(0), tokens)
+    ).memory_analysis()
     largest_bucket = max(schedule.bucket_elements(), default=0) * 4
-    yield (f"N={n}: params/device {kib(zjax.per_device_bytes(state.params))} (schedule "
-           f"{kib(schedule.report()['state_bytes_per_device'])}), adamw state/device "
-           f"{kib(zjax.per_device_bytes(state.opt_state))}; sharded init temp "
-           f"{kib(init.temp_size_in_bytes)} + outputs {kib(init.output_size_in_bytes)}; "
-           f"largest bucket {kib(largest_bucket)}")
+    yield (
+      f"N={n}: params/device {kib(zjax.per_device_bytes(state.params))} (schedule "
+      f"{kib(schedule.report()['state_bytes_per_device'])}), adamw state/device "
+      f"{kib(zjax.per_device_bytes(state.opt_state))}; sharded init temp "
+      f"{kib(init.temp_size_in_bytes)} + outputs {kib(init.output_size_in_bytes)}; "
+      f"largest bucket {kib(largest_bucket)}"
+    )
 
 
 if __name__ == "__main__":

@@ -22,11 +22,17 @@ import zjax  # noqa: E402
 from zjax.job.corpus import VOCAB_SIZE, batch_at, stdlib_corpus  # noqa: E402
 from zjax.models.gpt import GPT, GPTConfig, make_loss_fn  # noqa: E402
 
-cfg = GPTConfig(vocab_size=VOCAB_SIZE, seq_len=64, d_model=args.d_model, n_layer=2,
-                n_head=4, d_ff=4 * args.d_model)
+cfg = GPTConfig(
+  vocab_size=VOCAB_SIZE,
+  seq_len=64,
+  d_model=args.d_model,
+  n_layer=2,
+  n_head=4,
+  d_ff=4 * args.d_model,
+)
 model = GPT(cfg)
-loss_fn = make_loss_fn(model)                                  # (params, batch) -> loss
-text = stdlib_corpus(1_000_000).train                           # bytes of Python source
+loss_fn = make_loss_fn(model)  # (params, batch) -> loss
+text = stdlib_corpus(1_000_000).train  # bytes of Python source
 batch = lambda step: {"tokens": batch_at(text, step, 16, cfg.seq_len, seed=0)}
 
 # 1. plan: trace the loss and derive the schedule (shapes only; nothing is allocated)
@@ -37,9 +43,11 @@ shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, cfg.seq_len
 config = zjax.ZeroConfig(param_persistence_threshold=4096)
 schedule = zjax.compile_schedule(loss_fn, shapes, batch(0), mesh=mesh, config=config)
 report = schedule.report()
-print(f"{report['num_sharded_params']} of {report['num_params']} parameters sharded; "
-      f"{report['all_gather_count']} all-gathers, {report['reduce_scatter_count']} "
-      f"reduce-scatters per step")
+print(
+  f"{report['num_sharded_params']} of {report['num_params']} parameters sharded; "
+  f"{report['all_gather_count']} all-gathers, {report['reduce_scatter_count']} "
+  f"reduce-scatters per step"
+)
 
 # 2. train: optax on the local shards; the state is sharded from the start
 trainer = zjax.zero3(loss_fn, optax.adamw(3e-3), schedule, mesh=mesh)

@@ -65,9 +65,12 @@ if os.environ.get("ZJAX_TEST_STATS"):
   def pytest_runtest_protocol(item, nextitem):
     before, start = dict(_counts), time.perf_counter()
     yield
-    row = {"test": item.nodeid, "file": item.nodeid.split("::")[0],
-           "seconds": round(time.perf_counter() - start, 3),
-           "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}
+    row = {
+      "test": item.nodeid,
+      "file": item.nodeid.split("::")[0],
+      "seconds": round(time.perf_counter() - start, 3),
+      "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+    }
     row.update({k: round(v - before[k], 3) for k, v in _counts.items()})
     with open(os.environ["ZJAX_TEST_STATS"], "a") as f:
       f.write(json.dumps(row) + "\n")

@@ -71,8 +71,9 @@ def case_temp(case, config, n=8):
   """Compiled temp per device of zjax's gradient step for a `real_models.Case` (with its
   batch statistics, `extra`), compiled for analysis."""
   mesh = mesh_of(n)
-  schedule = zjax.compile_schedule(case.loss_fn, case.params, case.batch, mesh=mesh,
-                                   config=config, extra=case.extra)
+  schedule = zjax.compile_schedule(
+    case.loss_fn, case.params, case.batch, mesh=mesh, config=config, extra=case.extra
+  )
   step = zjax.value_and_grad(case.loss_fn, schedule, mesh=mesh)
   lowered = step.lower(zjax.shard(case.params, schedule, mesh), case.batch, case.extra)
   return zjax.hlo.compile_for_analysis(lowered).memory_analysis().temp_size_in_bytes
@@ -82,8 +83,8 @@ def reference(loss_fn, params, batch):
   """Plain single-device jax.value_and_grad (integer leaves: zero gradient)."""
   loss, grads = jax.value_and_grad(loss_fn, allow_int=True)(params, batch)
   grads = jax.tree.map(
-      lambda g, p: jnp.zeros(p.shape, p.dtype) if g.dtype == jax.dtypes.float0 else g,
-      grads, params)
+    lambda g, p: jnp.zeros(p.shape, p.dtype) if g.dtype == jax.dtypes.float0 else g, grads, params
+  )
   return loss, grads
 
 
@@ -114,8 +115,13 @@ def assert_trees_close(a, b, *, rtol=RTOL, atol=ATOL):
   assert len(paths_a) == len(leaves_b)
   for (path, x), y in zip(paths_a, leaves_b):
     assert x.shape == y.shape and x.dtype == y.dtype, (jax.tree_util.keystr(path), x, y)
-    np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=rtol,
-                               atol=atol, err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_allclose(
+      np.asarray(x, np.float32),
+      np.asarray(y, np.float32),
+      rtol=rtol,
+      atol=atol,
+      err_msg=jax.tree_util.keystr(path),
+    )
 
 
 def assert_report_matches(schedule, compiled):
@@ -125,10 +131,13 @@ def assert_report_matches(schedule, compiled):
   report, text = schedule.report(), compiled.as_text()
   executed = zjax.hlo.executed(text)
   for kind in ("all_gather", "reduce_scatter"):
-    assert (executed.get(f"{kind}_count", 0), executed.get(f"{kind}_bytes", 0)) == \
-        (report[f"{kind}_count"], report[f"{kind}_bytes"]), kind
-  gradients = [c for c in zjax.hlo.collectives(text)
-               if c.kind == "all_reduce" and c.shape != "f32[]"]  # (not the loss)
+    assert (executed.get(f"{kind}_count", 0), executed.get(f"{kind}_bytes", 0)) == (
+      report[f"{kind}_count"],
+      report[f"{kind}_bytes"],
+    ), kind
+  gradients = [
+    c for c in zjax.hlo.collectives(text) if c.kind == "all_reduce" and c.shape != "f32[]"
+  ]  # (not the loss)
   assert len(gradients) == report["persistent_grad_all_reduce_count"]
   expected = report["persistent_grad_all_reduce_bytes"]
   assert expected <= sum(c.bytes for c in gradients) <= expected + 4
@@ -136,11 +145,17 @@ def assert_report_matches(schedule, compiled):
 
 def mlp(num_layers=4, d=64, batch=16, seed=0):
   keys = jax.random.split(jax.random.key(seed), num_layers + 2)
-  params = {f"layer{i}": {"kernel": jax.random.normal(keys[i], (d, d)) / np.sqrt(d),
-                          "bias": jax.random.normal(keys[i], (d,)) * 0.1}
-            for i in range(num_layers)}
-  batch = {"x": jax.random.normal(keys[-2], (batch, d)),
-           "y": jax.random.normal(keys[-1], (batch, d))}
+  params = {
+    f"layer{i}": {
+      "kernel": jax.random.normal(keys[i], (d, d)) / np.sqrt(d),
+      "bias": jax.random.normal(keys[i], (d,)) * 0.1,
+    }
+    for i in range(num_layers)
+  }
+  batch = {
+    "x": jax.random.normal(keys[-2], (batch, d)),
+    "y": jax.random.normal(keys[-1], (batch, d)),
+  }
 
   def loss(p, b):
     x = b["x"]
@@ -157,5 +172,4 @@ def custom_vjp_matmul(x, w):
   return x @ w
 
 
-custom_vjp_matmul.defvjp(lambda x, w: (x @ w, (x, w)),
-                         lambda res, g: (g @ res[1].T, res[0].T @ g))
+custom_vjp_matmul.defvjp(lambda x, w: (x @ w, (x, w)), lambda res, g: (g @ res[1].T, res[0].T @ g))

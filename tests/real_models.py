@@ -56,11 +56,11 @@ def gspmd_fsdp_temp(case: Case, mesh) -> int:
   full batch's."""
   (axis,) = mesh.axis_names
   put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
-  params = jax.tree.map(lambda x: put(x, layout.largest_dim_spec(x.shape, mesh.size, axis)),
-                        case.params)
+  params = jax.tree.map(
+    lambda x: put(x, layout.largest_dim_spec(x.shape, mesh.size, axis)), case.params
+  )
   batch = jax.tree.map(lambda x: put(x, P(axis) if x.ndim else P()), case.batch)
-  grad = jax.value_and_grad(case.reference_loss_fn or case.loss_fn,
-                            has_aux=case.extra is not None)
+  grad = jax.value_and_grad(case.reference_loss_fn or case.loss_fn, has_aux=case.extra is not None)
   args = (params, batch) if case.extra is None else (params, batch, case.extra)
   program = zjax.hlo.compile_for_analysis(jax.jit(grad).lower(*args))
   return zjax.hlo.summarize(program)["temp_bytes"]
@@ -74,21 +74,25 @@ def cross_entropy(logits, labels):
 # ---- ResNet with synchronised BatchNorm -------------------------------------------------
 class ResNet(nn.Module):
   """Basic-block ResNet: per stage (features, stride of its first block), `blocks` each."""
+
   axis_name: str | None = "fsdp"
   stages: tuple = ((8, 1), (16, 2))
   blocks: int = 1
 
   @nn.compact
   def __call__(self, x, train: bool = True):
-    norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9,
-                             axis_name=self.axis_name if train else None)
+    norm = functools.partial(
+      nn.BatchNorm,
+      use_running_average=not train,
+      momentum=0.9,
+      axis_name=self.axis_name if train else None,
+    )
     x = nn.relu(norm()(nn.Conv(self.stages[0][0], (3, 3), use_bias=False)(x)))
     for features, first_stride in self.stages:
       for block in range(self.blocks):
         strides = first_stride if block == 0 else 1
         y = nn.relu(norm()(nn.Conv(features, (3, 3), strides, use_bias=False)(x)))
-        y = norm(scale_init=nn.initializers.zeros)(
-            nn.Conv(features, (3, 3), use_bias=False)(y))
+        y = norm(scale_init=nn.initializers.zeros)(nn.Conv(features, (3, 3), use_bias=False)(y))
         if strides != 1 or x.shape[-1] != features:
           x = norm()(nn.Conv(features, (1, 1), strides, use_bias=False)(x))
         x = nn.relu(x + y)
@@ -107,9 +111,9 @@ def resnet_syncbn(batch_size=16, axis_name="fsdp", image=8, **arch) -> Case:
 
   def make_loss(m):
     def loss_fn(params, batch, extra):
-      logits, updates = m.apply({"params": params, **extra}, batch["x"],
-                                mutable=["batch_stats"])
+      logits, updates = m.apply({"params": params, **extra}, batch["x"], mutable=["batch_stats"])
       return cross_entropy(logits, batch["y"]), {"batch_stats": updates["batch_stats"]}
+
     return loss_fn
 
   return Case(make_loss(model), variables["params"], batch, dict(stats), make_loss(plain))
@@ -129,8 +133,7 @@ class EncoderDecoder(nn.Module):
 
   def setup(self):
     self.shared = nn.Embed(self.vocab, self.d)
-    attention = functools.partial(nn.MultiHeadDotProductAttention, num_heads=4,
-                                  qkv_features=self.d)
+    attention = functools.partial(nn.MultiHeadDotProductAttention, num_heads=4, qkv_features=self.d)
     self.enc_attn, self.dec_attn, self.cross_attn = attention(), attention(), attention()
     self.enc_mlp = nn.Sequential([nn.Dense(2 * self.d), nn.gelu, nn.Dense(self.d)])
     self.dec_mlp = nn.Sequential([nn.Dense(2 * self.d), nn.gelu, nn.Dense(self.d)])
@@ -174,7 +177,6 @@ def _linear(d_in, d_out, sharding, rngs):
 
 
 class GQAttention(nnx.Module):
-
   def __init__(self, d, heads, kv_heads, window, rngs, tp=False):
     self.heads, self.kv_heads, self.head_dim, self.window = heads, kv_heads, d // heads, window
     self.q = _linear(d, heads * self.head_dim, COLUMN if tp else None, rngs)
@@ -201,7 +203,6 @@ class GQAttention(nnx.Module):
 
 
 class GQABlock(nnx.Module):
-
   def __init__(self, d, window, rngs, tp=False):
     self.attn_norm = nnx.RMSNorm(d, rngs=rngs)
     self.attn = GQAttention(d, heads=4, kv_heads=2, window=window, rngs=rngs, tp=tp)
@@ -217,12 +218,12 @@ class GQABlock(nnx.Module):
 
 
 class GQADecoder(nnx.Module):
-
   def __init__(self, vocab=61, d=32, layers=3, window=4, *, rngs, tp=False):
     self.embed = nnx.Embed(vocab, d, rngs=rngs)  # 61 rows: replicated over a tensor axis
     # alternating local (sliding-window) and global layers
-    self.blocks = nnx.List([GQABlock(d, window if i % 2 == 0 else 0, rngs, tp)
-                            for i in range(layers)])
+    self.blocks = nnx.List(
+      [GQABlock(d, window if i % 2 == 0 else 0, rngs, tp) for i in range(layers)]
+    )
     self.final_norm = nnx.RMSNorm(d, rngs=rngs)
 
   def __call__(self, tokens):
@@ -250,7 +251,6 @@ def nnx_gqa(batch_size=16, tensor_parallel=False) -> Case:
 
 # ---- LSTMs ---------------------------------------------------------------------------------
 class RNNClassifier(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     h = nn.RNN(nn.LSTMCell(24))(x)
@@ -264,16 +264,20 @@ class ScanLSTM(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    cell = nn.scan(nn.OptimizedLSTMCell, variable_broadcast="params",
-                   split_rngs={"params": False},
-                   in_axes=1, out_axes=1, reverse=self.reverse)(self.features)
+    cell = nn.scan(
+      nn.OptimizedLSTMCell,
+      variable_broadcast="params",
+      split_rngs={"params": False},
+      in_axes=1,
+      out_axes=1,
+      reverse=self.reverse,
+    )(self.features)
     zeros = jnp.zeros((x.shape[0], self.features), x.dtype)
     _, ys = cell((zeros, zeros), x)
     return ys
 
 
 class BiLSTM(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     both = jnp.concatenate([ScanLSTM(16)(x), ScanLSTM(16, reverse=True)(x)], -1)
@@ -319,6 +323,7 @@ sqrt_bounded_derivative.defvjp(_sqrt_forward, _sqrt_backward)
 
 class RGLRU(nn.Module):
   """Real-gated linear recurrent unit: h_t = a_t h_{t-1} + sqrt(1 - a_t^2) (i_t x_t)."""
+
   width: int
 
   @nn.compact
@@ -347,7 +352,8 @@ class GriffinBlock(nn.Module):
     h = nn.RMSNorm()(x)
     y = nn.gelu(nn.Dense(self.width)(h))
     r = nn.Conv(self.width, (4,), padding=((3, 0),), feature_group_count=self.width)(
-        nn.Dense(self.width)(h))  # causal depthwise temporal conv
+      nn.Dense(self.width)(h)
+    )  # causal depthwise temporal conv
     x = x + nn.Dense(x.shape[-1])(RGLRU(self.width)(r) * y)
     h = nn.RMSNorm()(x)
     return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(2 * x.shape[-1])(h)))
@@ -391,8 +397,9 @@ def relative_buckets(q_len, k_len, bidirectional, num_buckets=8, max_distance=16
   else:
     offset = -jnp.minimum(offset, 0)
   exact = num_buckets // 2
-  log_bucket = exact + (jnp.log(jnp.maximum(offset, 1) / exact) /
-                        jnp.log(max_distance / exact) * (num_buckets - exact)).astype(jnp.int32)
+  log_bucket = exact + (
+    jnp.log(jnp.maximum(offset, 1) / exact) / jnp.log(max_distance / exact) * (num_buckets - exact)
+  ).astype(jnp.int32)
   return buckets + jnp.where(offset < exact, offset, jnp.minimum(log_bucket, num_buckets - 1))
 
 
@@ -434,11 +441,11 @@ class T5Layer(nn.Module):
     drop = nn.Dropout(self.rate, deterministic=not train)
     mask = nn.make_causal_mask(x[..., 0]) if self.decoder else None
     y, bias = T5Attention(4, not self.decoder, self.has_bias, self.rate, name="self_attn")(
-        nn.RMSNorm()(x), bias=bias, mask=mask, train=train)
+      nn.RMSNorm()(x), bias=bias, mask=mask, train=train
+    )
     x = x + drop(y)
     if self.decoder:
-      y, _ = T5Attention(4, rate=self.rate, name="cross_attn")(nn.RMSNorm()(x), enc,
-                                                                 train=train)
+      y, _ = T5Attention(4, rate=self.rate, name="cross_attn")(nn.RMSNorm()(x), enc, train=train)
       x = x + drop(y)
     h = nn.relu(nn.Dense(2 * x.shape[-1], use_bias=False)(nn.RMSNorm()(x)))
     return x + drop(nn.Dense(x.shape[-1], use_bias=False)(drop(h))), bias
@@ -459,8 +466,9 @@ class T5(nn.Module):
     y, bias = shared(tgt), None
     for i in range(self.layers):
       y, bias = T5Layer(decoder=True, has_bias=i == 0, name=f"decoder_{i}")(
-          y, bias, enc, train=train)
-    return shared.attend(nn.RMSNorm()(y) * self.d ** -0.5)
+        y, bias, enc, train=train
+      )
+    return shared.attend(nn.RMSNorm()(y) * self.d**-0.5)
 
 
 def t5(batch_size=16, layers=3) -> Case:
@@ -471,8 +479,7 @@ def t5(batch_size=16, layers=3) -> Case:
   params = model.init(jax.random.key(10), src, tgt[:, :-1], train=False)["params"]
 
   def loss_fn(p, b):
-    logits = model.apply({"params": p}, b["src"], b["tgt"][:, :-1],
-                         rngs={"dropout": b["dropout"]})
+    logits = model.apply({"params": p}, b["src"], b["tgt"][:, :-1], rngs={"dropout": b["dropout"]})
     return cross_entropy(logits, b["tgt"][:, 1:])
 
   batch = {"src": src, "tgt": tgt, "dropout": jax.random.key(11)}
@@ -480,6 +487,7 @@ def t5(batch_size=16, layers=3) -> Case:
 
 
 # ---- Llama-style decoder -----------------------------------------------------------------
+
 
 def rope_tables(seq_len, head_dim, xp=np, base=10000.0):
   """(sin, cos) [seq_len, head_dim / 2]: numpy constants (xp=np) or traced ops (xp=jnp)."""
@@ -528,7 +536,8 @@ class LlamaLayer(nn.Module):
   def __call__(self, x, mask, tables):
     h = nn.RMSNorm(name="input_layernorm")(x)
     x = x + LlamaAttention(self.heads, self.kv_heads, self.own_tables, name="self_attn")(
-        h, mask, tables)
+      h, mask, tables
+    )
     h = nn.RMSNorm(name="post_attention_layernorm")(x)
     gate = nn.Dense(self.d_ff, use_bias=False, name="gate_proj")(h)
     up = nn.Dense(self.d_ff, use_bias=False, name="up_proj")(h)
@@ -552,8 +561,9 @@ class Llama(nn.Module):
     # else computed once, before the layers, and read by every layer
     tables = None if self.own_tables else rope_tables(s, self.d // self.heads, jnp)
     for i in range(self.layers):
-      x = LlamaLayer(self.heads, self.kv_heads, self.d_ff, self.own_tables,
-                     name=f"layers_{i}")(x, mask, tables)
+      x = LlamaLayer(self.heads, self.kv_heads, self.d_ff, self.own_tables, name=f"layers_{i}")(
+        x, mask, tables
+      )
     return nn.Dense(self.vocab, use_bias=False, name="lm_head")(nn.RMSNorm(name="norm")(x))
 
 
@@ -599,8 +609,9 @@ class Bert(nn.Module):
   @nn.compact
   def __call__(self, tokens, attention_mask, train=True):
     embed = nn.Embed(self.vocab, self.d, name="word_embeddings")
-    positions = self.param("position_embeddings", nn.initializers.normal(0.02),
-                           (tokens.shape[1], self.d))
+    positions = self.param(
+      "position_embeddings", nn.initializers.normal(0.02), (tokens.shape[1], self.d)
+    )
     x = nn.LayerNorm(name="embeddings_norm")(embed(tokens) + positions)
     x = nn.Dropout(self.rate, deterministic=not train)(x)
     # built once, read by every layer: 0 where a token is real, a large negative on padding
@@ -620,8 +631,13 @@ def bert(batch_size=8, layers=3, dropout=False) -> Case:
   params = model.init(jax.random.key(15), tokens, attention_mask, train=False)["params"]
 
   def loss_fn(p, b):
-    logits = model.apply({"params": p}, b["tokens"], b["attention_mask"], train=dropout,
-                         rngs={"dropout": b["dropout"]} if dropout else {})
+    logits = model.apply(
+      {"params": p},
+      b["tokens"],
+      b["attention_mask"],
+      train=dropout,
+      rngs={"dropout": b["dropout"]} if dropout else {},
+    )
     return cross_entropy(logits, b["tokens"])
 
   batch = {"tokens": tokens, "attention_mask": attention_mask}
@@ -633,8 +649,10 @@ def bert(batch_size=8, layers=3, dropout=False) -> Case:
 # ---- a plain-JAX MLP -------------------------------------------------------------------------
 def mlp5(batch_size=16, width=64, layers=5) -> Case:
   keys = jax.random.split(jax.random.key(17), layers)
-  params = [{"weight": jax.random.normal(k, (width, width)) / np.sqrt(width),
-             "bias": jnp.zeros(width)} for k in keys]
+  params = [
+    {"weight": jax.random.normal(k, (width, width)) / np.sqrt(width), "bias": jnp.zeros(width)}
+    for k in keys
+  ]
 
   def loss_fn(p, b):
     x = b["x"]
@@ -643,13 +661,20 @@ def mlp5(batch_size=16, width=64, layers=5) -> Case:
       x = jax.nn.relu(x) if i < len(p) - 1 else x
     return jnp.mean((x - b["y"]) ** 2)
 
-  batch = {"x": jax.random.normal(jax.random.key(18), (batch_size, width)),
-           "y": jax.random.normal(jax.random.key(19), (batch_size, width))}
+  batch = {
+    "x": jax.random.normal(jax.random.key(18), (batch_size, width)),
+    "y": jax.random.normal(jax.random.key(19), (batch_size, width)),
+  }
   return Case(loss_fn, params, batch, reference_loss_fn=loss_fn)
 
 
-CASES = {"resnet_syncbn": resnet_syncbn, "encdec": encdec, "nnx_gqa": nnx_gqa,
-         "rnn_lstm": rnn_lstm, "bilstm_scan": bilstm_scan}
+CASES = {
+  "resnet_syncbn": resnet_syncbn,
+  "encdec": encdec,
+  "nnx_gqa": nnx_gqa,
+  "rnn_lstm": rnn_lstm,
+  "bilstm_scan": bilstm_scan,
+}
 # Not in CASES' parity tests: t5's reference differs (dropout draws per device); the CPU
 # stress harness (examples/cpu_stress.py) runs griffin and t5, test_rolling.py griffin and
 # llama.

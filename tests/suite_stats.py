@@ -31,9 +31,11 @@ def main(paths):
   for name in names + ["total"]:
     cells = []
     for run in runs:
-      s = (sum(run.values(), collections.Counter()) if name == "total" else run[name])
-      cells.append(f"{s['seconds']:.0f}, {s['tests']}, {s['compiles']} ({s['cache_hits']}), "
-                   f"{s['subprocesses']}")
+      s = sum(run.values(), collections.Counter()) if name == "total" else run[name]
+      cells.append(
+        f"{s['seconds']:.0f}, {s['tests']}, {s['compiles']} ({s['cache_hits']}), "
+        f"{s['subprocesses']}"
+      )
     print(f"| {name} | " + " | ".join(cells) + " |")
 
 

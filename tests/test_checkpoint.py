@@ -20,9 +20,9 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from helpers import assert_trees_close, mesh_of
 
 import zjax
+from helpers import assert_trees_close, mesh_of
 from zjax._src import layout
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -36,11 +36,17 @@ SGD = optax.sgd(0.1, momentum=0.9)
 
 @functools.lru_cache(maxsize=None)  # trainers are pure functions: reuse their compilations
 def trainer_for(n, threshold=100, optimizer=OPTIMIZER, cfg=CFG, from_json=False):
-  loss, shapes, batch_shapes = (LOSS, SHAPES, BATCH_SHAPES) if cfg is CFG else \
-      abstract_setup(cfg, batch_size=8)
+  loss, shapes, batch_shapes = (
+    (LOSS, SHAPES, BATCH_SHAPES) if cfg is CFG else abstract_setup(cfg, batch_size=8)
+  )
   mesh = mesh_of(n)
-  schedule = zjax.compile_schedule(loss, shapes, batch_shapes, mesh=mesh,
-                                   config=zjax.ZeroConfig(param_persistence_threshold=threshold))
+  schedule = zjax.compile_schedule(
+    loss,
+    shapes,
+    batch_shapes,
+    mesh=mesh,
+    config=zjax.ZeroConfig(param_persistence_threshold=threshold),
+  )
   if from_json:  # a schedule read from a file does not know the params' pytree type
     schedule = zjax.Schedule.from_json(schedule.to_json())
   return zjax.zero3(loss, optimizer, schedule, mesh=mesh)
@@ -71,7 +77,7 @@ def natural_state(state, trainer):
       opt[path] = x
       continue
     leaf = schedule.storage[index]
-    prefix = path[:len(path) - len(leaf.path)]
+    prefix = path[: len(path) - len(leaf.path)]
     natural = np.asarray(layout.natural_from_storage(x, leaf.entry))
     for i, value in zip(leaf.members, layout.members_of_natural(natural, leaf)):
       opt[prefix + schedule.params[i].path] = np.asarray(value)
@@ -143,8 +149,9 @@ def test_restore_on_8_4_1_8_devices_and_other_schedules(tmp_path):
     state = zjax.CheckpointManager(tmp_path / str(i)).restore(trainer)
     assert int(state.step) == i + 1
     assert_bitwise(natural_state(state, trainer), saved)  # restore only moves data
-    assert zjax.per_device_bytes(state.params) == \
-        trainer.schedule.report()["state_bytes_per_device"]
+    assert (
+      zjax.per_device_bytes(state.params) == trainer.schedule.report()["state_bytes_per_device"]
+    )
   # continued training on other device counts matches the uninterrupted 8-device run
   assert_trees_close(saved, ref_after[-1], rtol=1e-5, atol=1e-5)
 
@@ -157,8 +164,9 @@ def test_scanned_model_restores_on_8_4_1_8_devices(tmp_path):
   replicated natural leaves, 1 -> 8 lays natural leaves out per layer again."""
   trainer = trainer_for(8, 100, cfg=SCAN_CFG)
   assert any(p.stacked for p in trainer.schedule.params)
-  state = trainer.init_from(GPT(SCAN_CFG).init, jax.random.key(0),
-                            jnp.zeros((8, CFG.seq_len), jnp.int32))
+  state = trainer.init_from(
+    GPT(SCAN_CFG).init, jax.random.key(0), jnp.zeros((8, CFG.seq_len), jnp.int32)
+  )
   for i, n in enumerate([4, 1, 8]):
     state, _ = trainer.step(state, batch_of(i))
     saved = natural_state(state, trainer)
@@ -184,18 +192,20 @@ def test_restore_between_scanned_and_unrolled_use_of_the_same_params(tmp_path):
   def unrolled(p, x):
     for i in range(3):
       x = jnp.tanh(x @ p["w"][i])
-    return jnp.mean(x ** 2)
+    return jnp.mean(x**2)
 
   def trainer(loss, n=8):
     mesh = mesh_of(n)
-    schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh,
-                                     config=zjax.ZeroConfig(param_persistence_threshold=0))
+    schedule = zjax.compile_schedule(
+      loss, params, batch, mesh=mesh, config=zjax.ZeroConfig(param_persistence_threshold=0)
+    )
     return zjax.zero3(loss, OPTIMIZER, schedule, mesh=mesh)
 
   first, second = trainer(scanned), trainer(unrolled)
   assert first.schedule.param("['w']").stacked and not second.schedule.param("['w']").stacked
-  for i, (source, target) in enumerate([(first, second), (second, first),
-                                        (first, trainer(scanned, 4))]):
+  for i, (source, target) in enumerate(
+    [(first, second), (second, first), (first, trainer(scanned, 4))]
+  ):
     state, _ = source.step(source.init(params), batch)
     with zjax.CheckpointManager(tmp_path / str(i), source) as ckpt:
       ckpt.save(1, state)
@@ -244,12 +254,14 @@ def test_export_holds_one_parameter_beyond_its_output(tmp_path):
   setup), nothing that grows with the model. 8 leaves of 2 MiB; the earlier version (orbax
   restore per leaf, whole-array checksum temporaries) grew 30.2 MiB for these 16 MiB."""
   from checkpointing import export_in_fresh_process
+
   params = {f"w{i}": jnp.full((512, 1024), i, jnp.float32) for i in range(8)}
   batch = jnp.ones((8, 512))
   loss = lambda p, x: sum(jnp.mean(x @ w) for w in p.values())
   mesh = mesh_of(8)
-  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh,
-                                   config=zjax.ZeroConfig(param_persistence_threshold=0))
+  schedule = zjax.compile_schedule(
+    loss, params, batch, mesh=mesh, config=zjax.ZeroConfig(param_persistence_threshold=0)
+  )
   trainer = zjax.zero3(loss, optax.sgd(0.1), schedule, mesh=mesh)
   with zjax.CheckpointManager(tmp_path, trainer) as ckpt:
     ckpt.save(1, trainer.init(params))
@@ -261,10 +273,10 @@ def test_export_holds_one_parameter_beyond_its_output(tmp_path):
 
 def test_killed_save_leaves_the_previous_checkpoint(tmp_path):
   here = os.path.dirname(os.path.abspath(__file__))
-  script = _KILLED_SAVER.format(tests=here, examples=os.path.join(here, "..", "examples"),
-                                directory=str(tmp_path))
-  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                        timeout=300)
+  script = _KILLED_SAVER.format(
+    tests=here, examples=os.path.join(here, "..", "examples"), directory=str(tmp_path)
+  )
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
   assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
   trainer = trainer_for(8)
   ckpt = zjax.CheckpointManager(tmp_path, trainer)
@@ -357,8 +369,10 @@ def test_missing_and_unknown_checkpoints(saved, tmp_path):
 def test_incompatible_model_or_optimizer(saved):
   directory, _, _ = saved
   wider = trainer_for(8, cfg=GPTConfig(d_model=48, n_layer=2, n_head=2, d_ff=64, seq_len=16))
-  with pytest.raises(zjax.CheckpointError,
-                     match=r"Parameter \['params'\]\['block_0'\].* float32\[32.* different model"):
+  with pytest.raises(
+    zjax.CheckpointError,
+    match=r"Parameter \['params'\]\['block_0'\].* float32\[32.* different model",
+  ):
     zjax.CheckpointManager(directory).restore(wider)
   deeper = trainer_for(8, cfg=GPTConfig(d_model=32, n_layer=3, n_head=2, d_ff=64, seq_len=16))
   with pytest.raises(zjax.CheckpointError, match=r"no parameter \['params'\]\['block_2'\]"):
@@ -388,13 +402,31 @@ def test_failed_saves_change_nothing(saved, tmp_path):
 def test_checkpointing_script_runs(tmp_path):
   """examples/checkpointing.py at tiny size (structure only, never speed)."""
   root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-  done = subprocess.run([sys.executable, os.path.join(root, "examples", "checkpointing.py"),
-                         "--layers", "1", "--d-model", "32", "--steps", "1",
-                         "--dir", str(tmp_path / "ckpt")],
-                        capture_output=True, text=True, timeout=600)
+  done = subprocess.run(
+    [
+      sys.executable,
+      os.path.join(root, "examples", "checkpointing.py"),
+      "--layers",
+      "1",
+      "--d-model",
+      "32",
+      "--steps",
+      "1",
+      "--dir",
+      str(tmp_path / "ckpt"),
+    ],
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert done.returncode == 0, done.stderr[-2000:]
   lines = done.stdout.splitlines()
   assert [line.split(":")[0] for line in lines] == [
-      "GPT 1 layers, d_model 32", "save", "restore on 8 devices", "restore on 4 devices",
-      "export (fresh process, no mesh)", "export equals gather_params"]
+    "GPT 1 layers, d_model 32",
+    "save",
+    "restore on 8 devices",
+    "restore on 4 devices",
+    "export (fresh process, no mesh)",
+    "export equals gather_params",
+  ]
   assert lines[-1].endswith("True")

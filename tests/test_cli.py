@@ -32,8 +32,9 @@ def test_inspect_prints_tables_and_report(capsys):
 
 def test_inspect_plans_for_more_devices_than_present(capsys, tmp_path):
   report_file = tmp_path / "r.json"
-  code, out, _ = run(capsys, "inspect", GPT, "--devices", "1024", "--summary",
-                     "--json", str(report_file))
+  code, out, _ = run(
+    capsys, "inspect", GPT, "--devices", "1024", "--summary", "--json", str(report_file)
+  )
   assert code == 0 and "zjax schedule" not in out
   data = json.loads(report_file.read_text())
   assert data["report"]["num_devices"] == 1024 and data["schedule"]["num_devices"] == 1024
@@ -42,8 +43,20 @@ def test_inspect_plans_for_more_devices_than_present(capsys, tmp_path):
 
 def test_inspect_save_and_knob_overrides(capsys, tmp_path):
   path = tmp_path / "s.json"
-  code, _, _ = run(capsys, "inspect", GPT, "--devices", "8", "--summary", "--save", str(path),
-                   "--prefetch-bucket-size", "0", "--param-persistence-threshold", "1e9")
+  code, _, _ = run(
+    capsys,
+    "inspect",
+    GPT,
+    "--devices",
+    "8",
+    "--summary",
+    "--save",
+    str(path),
+    "--prefetch-bucket-size",
+    "0",
+    "--param-persistence-threshold",
+    "1e9",
+  )
   assert code == 0
   s = zjax.Schedule.load(path)
   assert s.config.prefetch_bucket_size == 0 and s.report()["all_gather_count"] == 0
@@ -55,8 +68,8 @@ def test_inspect_predicts_offload(capsys, tmp_path):
   from zjax._src import offload_stream
   from zjax._src.render import format_bytes
   from zjax._src.train import plan_sub_groups
-  args = ("inspect", GPT, "--devices", "8", "--summary", "--sub-group-size", "20000",
-          "--save")
+
+  args = ("inspect", GPT, "--devices", "8", "--summary", "--sub-group-size", "20000", "--save")
   for flag, on_host in (("--offload-optimizer", False), ("--offload-params", True)):
     path = str(tmp_path / f"offload-{on_host}.json")
     code, out, _ = run(capsys, *args, path, flag)
@@ -72,13 +85,16 @@ def test_inspect_predicts_offload(capsys, tmp_path):
       assert f"parameter copies (compute dtype)  {format_bytes(plan['device_bytes'])}" in out
 
 
-@pytest.mark.parametrize("target,message", [
+@pytest.mark.parametrize(
+  "target,message",
+  [
     ("examples/missing.py:f", "does not exist"),
     ("examples/gpt.py:no_such_function", "has no function 'no_such_function'"),
     ("examples/gpt.py:GPTConfig", "must return (loss_fn, params, batch)"),
     ("examples/gpt.py", "must look like PATH.py:FUNCTION"),
     ("no_such_module_zz:f", "Cannot import module 'no_such_module_zz'"),
-])
+  ],
+)
 def test_bad_targets_fail_clearly(capsys, monkeypatch, target, message):
   monkeypatch.chdir(ROOT)
   code, _, err = run(capsys, "inspect", target)
@@ -87,8 +103,10 @@ def test_bad_targets_fail_clearly(capsys, monkeypatch, target, message):
 
 def test_wrong_return_items(capsys, tmp_path):
   bad = tmp_path / "bad.py"
-  bad.write_text("def notfn():\n  return (1, {}, {})\n"
-                 "def badcfg():\n  return (lambda p, b: 0.0, {}, {}, {'x': 1})\n")
+  bad.write_text(
+    "def notfn():\n  return (1, {}, {})\n"
+    "def badcfg():\n  return (lambda p, b: 0.0, {}, {}, {'x': 1})\n"
+  )
   code, _, err = run(capsys, "inspect", f"{bad}:notfn")
   assert code == 2 and "first item must be the loss function" in err
   code, _, err = run(capsys, "inspect", f"{bad}:badcfg")
@@ -97,8 +115,20 @@ def test_wrong_return_items(capsys, tmp_path):
 
 def test_dtype_overrides(capsys, tmp_path):
   path = tmp_path / "s.json"
-  code, _, _ = run(capsys, "inspect", GPT, "--devices", "8", "--summary", "--save", str(path),
-                   "--compute-dtype", "bfloat16", "--reduce-dtype", "bfloat16")
+  code, _, _ = run(
+    capsys,
+    "inspect",
+    GPT,
+    "--devices",
+    "8",
+    "--summary",
+    "--save",
+    str(path),
+    "--compute-dtype",
+    "bfloat16",
+    "--reduce-dtype",
+    "bfloat16",
+  )
   s = zjax.Schedule.load(path)
   assert code == 0 and s.config.compute_dtype.name == s.config.reduce_dtype.name == "bfloat16"
 
@@ -111,14 +141,19 @@ def test_bad_knob_value(capsys):
 def test_console_script_is_installed():
   exe = shutil.which("zjax")
   assert exe, "the zjax console script is not on PATH: install the package (pip install -e .)"
-  done = subprocess.run([exe, "inspect", GPT, "--devices", "16", "--summary"],
-                        capture_output=True, text=True, timeout=300)
+  done = subprocess.run(
+    [exe, "inspect", GPT, "--devices", "16", "--summary"],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert done.returncode == 0, done.stderr
   assert re.search(r"num_devices\s+16\n", done.stdout)
 
 
 def test_every_option_of_every_command_has_help():
   from zjax.cli.main import build_parser
+
   parser = build_parser()
   (subparsers,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
   for name, sub in subparsers.choices.items():

@@ -30,7 +30,9 @@ def test_accepts_deepspeed_style_floats():
   assert cfg.prefetch_bucket_size == 50_000_000 and isinstance(cfg.prefetch_bucket_size, int)
 
 
-@pytest.mark.parametrize("field,value,rule", [
+@pytest.mark.parametrize(
+  "field,value,rule",
+  [
     ("prefetch_bucket_size", -1, ">= 0"),
     ("max_live_parameters", 0, "> 0"),
     ("max_live_parameters", -5, "> 0"),
@@ -53,7 +55,8 @@ def test_accepts_deepspeed_style_floats():
     ("quantization_block", 2.5, "positive number of values per scale"),
     ("gather_quantization_phases", ("fwd",), "'forward' and/or 'backward'"),
     ("gather_quantization_phases", (), "'forward' and/or 'backward'"),
-])
+  ],
+)
 def test_invalid_values_name_field_and_rule(field, value, rule):
   with pytest.raises(ValueError) as e:
     zjax.ZeroConfig(**{field: value})
@@ -61,10 +64,12 @@ def test_invalid_values_name_field_and_rule(field, value, rule):
 
 
 def test_zero_allowed_where_meaningful():
-  cfg = zjax.ZeroConfig(prefetch_bucket_size=0, max_reuse_distance=0,
-                        param_persistence_threshold=0)
-  assert (cfg.prefetch_bucket_size, cfg.max_reuse_distance, cfg.param_persistence_threshold) \
-      == (0, 0, 0)
+  cfg = zjax.ZeroConfig(prefetch_bucket_size=0, max_reuse_distance=0, param_persistence_threshold=0)
+  assert (cfg.prefetch_bucket_size, cfg.max_reuse_distance, cfg.param_persistence_threshold) == (
+    0,
+    0,
+    0,
+  )
 
 
 def test_dict_round_trip_and_unknown_field():
@@ -77,10 +82,18 @@ def test_dict_round_trip_and_unknown_field():
 
 
 def test_quantization_knobs():
-  cfg = zjax.ZeroConfig(gather_quantization="int8", gather_quantization_phases="backward",
-                        reduce_quantization="int4", quantization_block=64)
+  cfg = zjax.ZeroConfig(
+    gather_quantization="int8",
+    gather_quantization_phases="backward",
+    reduce_quantization="int4",
+    quantization_block=64,
+  )
   assert cfg.gather_quantization_phases == ("backward",)
   assert zjax.ZeroConfig.from_dict(cfg.to_dict()) == cfg
   with pytest.raises(ValueError, match="under hpZ .* both phases or neither"):
-    zjax.ZeroConfig(replicate_axes=("r",), secondary_partition=True,
-                    gather_quantization="int8", gather_quantization_phases=("forward",))
+    zjax.ZeroConfig(
+      replicate_axes=("r",),
+      secondary_partition=True,
+      gather_quantization="int8",
+      gather_quantization_phases=("forward",),
+    )

@@ -20,10 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_parity, assert_report_matches, case_temp, mesh_of
-import real_models
 
+import real_models
 import zjax
+from helpers import assert_parity, assert_report_matches, case_temp, mesh_of
 from zjax._src import segments, trace
 
 REUSE0 = zjax.ZeroConfig(max_reuse_distance=0)
@@ -33,32 +33,65 @@ SHARDED = zjax.ZeroConfig(param_persistence_threshold=0, max_reuse_distance=0)
 def conv_op(image, kernel, **conv_args):
   """The traced program's op of `lax.conv_general_dilated(image, kernel, **conv_args)`."""
   t = trace.trace_program(
-      lambda w, x: jnp.sum(jax.lax.conv_general_dilated(x, w, **conv_args)), kernel, image)
+    lambda w, x: jnp.sum(jax.lax.conv_general_dilated(x, w, **conv_args)), kernel, image
+  )
   (op,) = [op for op in t.program.ops if op.primitive == "conv_general_dilated"]
   return op
 
 
 CONVS = {  # name -> (image shape, kernel shape, conv args)
-    "nhwc": ((2, 4, 4, 8), (3, 3, 8, 16), dict(dimension_numbers=("NHWC", "HWIO", "NHWC"),
-                                              window_strides=(1, 1), padding="SAME")),
-    "strided": ((2, 5, 4, 8), (3, 2, 8, 16), dict(dimension_numbers=("NHWC", "HWIO", "NHWC"),
-                                                  window_strides=(2, 1), padding="SAME")),
-    "nchw_oihw": ((2, 8, 5, 4), (16, 8, 3, 2), dict(
-        dimension_numbers=("NCHW", "OIHW", "NCHW"), window_strides=(1, 1),
-        padding=((1, 2), (0, 1)))),
-    "dilated": ((2, 8, 5, 4), (16, 8, 3, 2), dict(
-        dimension_numbers=("NCHW", "OIHW", "NCHW"), window_strides=(1, 1), padding="VALID",
-        rhs_dilation=(2, 1))),
-    "mixed_orders": ((2, 8, 5, 4), (3, 2, 8, 16), dict(
-        dimension_numbers=("NCHW", "HWIO", "NHWC"), window_strides=(1, 1),
-        padding=((1, 1), (2, 0)), lhs_dilation=(1, 2))),
-    "ohwi": ((2, 8, 5, 4), (16, 3, 2, 8), dict(dimension_numbers=("NCHW", "OHWI", "NCHW"),
-                                               window_strides=(1, 1), padding="SAME")),
-    "1d": ((2, 7, 8), (3, 8, 16), dict(dimension_numbers=("NWC", "WIO", "NWC"),
-                                       window_strides=(1,), padding="SAME")),
-    "3d": ((2, 7, 6, 5, 8), (2, 3, 2, 8, 16), dict(
-        dimension_numbers=("NHWDC", "HWDIO", "NHWDC"), window_strides=(1, 2, 1),
-        padding="SAME")),
+  "nhwc": (
+    (2, 4, 4, 8),
+    (3, 3, 8, 16),
+    dict(dimension_numbers=("NHWC", "HWIO", "NHWC"), window_strides=(1, 1), padding="SAME"),
+  ),
+  "strided": (
+    (2, 5, 4, 8),
+    (3, 2, 8, 16),
+    dict(dimension_numbers=("NHWC", "HWIO", "NHWC"), window_strides=(2, 1), padding="SAME"),
+  ),
+  "nchw_oihw": (
+    (2, 8, 5, 4),
+    (16, 8, 3, 2),
+    dict(
+      dimension_numbers=("NCHW", "OIHW", "NCHW"), window_strides=(1, 1), padding=((1, 2), (0, 1))
+    ),
+  ),
+  "dilated": (
+    (2, 8, 5, 4),
+    (16, 8, 3, 2),
+    dict(
+      dimension_numbers=("NCHW", "OIHW", "NCHW"),
+      window_strides=(1, 1),
+      padding="VALID",
+      rhs_dilation=(2, 1),
+    ),
+  ),
+  "mixed_orders": (
+    (2, 8, 5, 4),
+    (3, 2, 8, 16),
+    dict(
+      dimension_numbers=("NCHW", "HWIO", "NHWC"),
+      window_strides=(1, 1),
+      padding=((1, 1), (2, 0)),
+      lhs_dilation=(1, 2),
+    ),
+  ),
+  "ohwi": (
+    (2, 8, 5, 4),
+    (16, 3, 2, 8),
+    dict(dimension_numbers=("NCHW", "OHWI", "NCHW"), window_strides=(1, 1), padding="SAME"),
+  ),
+  "1d": (
+    (2, 7, 8),
+    (3, 8, 16),
+    dict(dimension_numbers=("NWC", "WIO", "NWC"), window_strides=(1,), padding="SAME"),
+  ),
+  "3d": (
+    (2, 7, 6, 5, 8),
+    (2, 3, 2, 8, 16),
+    dict(dimension_numbers=("NHWDC", "HWDIO", "NHWDC"), window_strides=(1, 2, 1), padding="SAME"),
+  ),
 }
 
 
@@ -90,31 +123,46 @@ def test_patch_matmuls_keep_bf16():
   assert [c.dtype for c in vjp(out)] == [jnp.bfloat16, jnp.bfloat16]
 
 
-conv = functools.partial(jax.lax.conv_general_dilated, window_strides=(1, 1),
-                         padding="SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+conv = functools.partial(
+  jax.lax.conv_general_dilated,
+  window_strides=(1, 1),
+  padding="SAME",
+  dimension_numbers=("NHWC", "HWIO", "NHWC"),
+)
 
 
 def deep_net(p, batch):
   """A stem on 8x8 images, a stride-2 convolution to 4x4, then two wide 3x3 convolutions
   (their kernels outweigh the 4x4 images) and a grouped one, a head on the pooled map."""
   h = jax.nn.relu(conv(batch["x"], p["stem"]))
-  h = jax.nn.relu(jax.lax.conv_general_dilated(
-      h, p["down"], (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")))
+  h = jax.nn.relu(
+    jax.lax.conv_general_dilated(
+      h, p["down"], (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+  )
   h = jax.nn.relu(h + conv(h, p["wide1"]))
   h = jax.nn.relu(conv(h, p["wide2"]))
-  h = jax.lax.conv_general_dilated(h, p["grouped"], (1, 1), "SAME", feature_group_count=4,
-                                   dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  h = jax.lax.conv_general_dilated(
+    h,
+    p["grouped"],
+    (1, 1),
+    "SAME",
+    feature_group_count=4,
+    dimension_numbers=("NHWC", "HWIO", "NHWC"),
+  )
   return jnp.mean((h.mean(axis=(1, 2)) @ p["head"]) ** 2)
 
 
 def deep_case(batch_size=8):
   k = jax.random.split(jax.random.key(0), 7)
-  params = {"stem": jax.random.normal(k[0], (3, 3, 3, 8)) / 5,
-            "down": jax.random.normal(k[1], (3, 3, 8, 64)) / 8,
-            "wide1": jax.random.normal(k[2], (3, 3, 64, 64)) / 24,
-            "wide2": jax.random.normal(k[3], (3, 3, 64, 64)) / 24,
-            "grouped": jax.random.normal(k[4], (3, 3, 16, 64)) / 12,
-            "head": jax.random.normal(k[5], (64, 10)) / 8}
+  params = {
+    "stem": jax.random.normal(k[0], (3, 3, 3, 8)) / 5,
+    "down": jax.random.normal(k[1], (3, 3, 8, 64)) / 8,
+    "wide1": jax.random.normal(k[2], (3, 3, 64, 64)) / 24,
+    "wide2": jax.random.normal(k[3], (3, 3, 64, 64)) / 24,
+    "grouped": jax.random.normal(k[4], (3, 3, 16, 64)) / 12,
+    "head": jax.random.normal(k[5], (64, 10)) / 8,
+  }
   return params, {"x": jax.random.normal(k[6], (batch_size, 8, 8, 3))}
 
 
@@ -124,9 +172,11 @@ def picked_convs(loss_fn, params, batch, trained=None):
   trained = [True] * len(t.params) if trained is None else trained
   views = trace.param_views(t.program, len(t.params))
   perturbed = segments.needs_gradient(t.program, trained)
-  return {t.params[min(views[op.inputs[1]])].path:
-          segments._kernel_dominated(op, set(views), perturbed)
-          for op in t.program.ops if op.primitive == "conv_general_dilated"}
+  return {
+    t.params[min(views[op.inputs[1]])].path: segments._kernel_dominated(op, set(views), perturbed)
+    for op in t.program.ops
+    if op.primitive == "conv_general_dilated"
+  }
 
 
 def test_the_rule_picks_kernels_that_outweigh_their_patches():
@@ -134,8 +184,12 @@ def test_the_rule_picks_kernels_that_outweigh_their_patches():
   # the stem's 64 output positions outnumber its 8 output features; the others have 16
   # positions (4x4), under half their 64 features; the grouped one is left to XLA
   assert picked_convs(deep_net, params, batch) == {
-      "['stem']": False, "['down']": True, "['wide1']": True, "['wide2']": True,
-      "['grouped']": False}
+    "['stem']": False,
+    "['down']": True,
+    "['wide1']": True,
+    "['wide2']": True,
+    "['grouped']": False,
+  }
   # a frozen kernel has no gradient to compute: XLA's convolution reads it once
   trained = [name != "wide1" for name in sorted(params)]  # leaves in key order
   assert picked_convs(deep_net, params, batch, trained)["['wide1']"] is False
@@ -143,17 +197,28 @@ def test_the_rule_picks_kernels_that_outweigh_their_patches():
   half = {k: v.astype(jnp.bfloat16) for k, v in params.items()}
   half_batch = {"x": batch["x"].astype(jnp.bfloat16)}
   assert picked_convs(deep_net, half, half_batch)["['wide1']"] is True
-  wide_out = lambda p, b: jnp.sum(jax.lax.conv_general_dilated(  # noqa: E731
-      b["x"], p["w"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
-      preferred_element_type=jnp.float32) ** 2)
-  assert picked_convs(wide_out, {"w": half["wide1"]},
-                      {"x": jnp.ones((1, 4, 4, 64), jnp.bfloat16)}) == {"['w']": False}
+  wide_out = lambda p, b: jnp.sum(
+    jax.lax.conv_general_dilated(  # noqa: E731
+      b["x"],
+      p["w"],
+      (1, 1),
+      "SAME",
+      dimension_numbers=("NHWC", "HWIO", "NHWC"),
+      preferred_element_type=jnp.float32,
+    )
+    ** 2
+  )
+  assert picked_convs(
+    wide_out, {"w": half["wide1"]}, {"x": jnp.ones((1, 4, 4, 64), jnp.bfloat16)}
+  ) == {"['w']": False}
   # empty: no output features, or no images
   one_conv = lambda p, b: jnp.sum(conv(b["x"], p["w"]) ** 2)  # noqa: E731
-  assert picked_convs(one_conv, {"w": jnp.ones((3, 3, 64, 0))},
-                      {"x": jnp.ones((1, 4, 4, 64))}) == {"['w']": False}
-  assert picked_convs(one_conv, {"w": params["wide1"]},
-                      {"x": jnp.ones((0, 4, 4, 64))}) == {"['w']": False}
+  assert picked_convs(one_conv, {"w": jnp.ones((3, 3, 64, 0))}, {"x": jnp.ones((1, 4, 4, 64))}) == {
+    "['w']": False
+  }
+  assert picked_convs(one_conv, {"w": params["wide1"]}, {"x": jnp.ones((0, 4, 4, 64))}) == {
+    "['w']": False
+  }
 
 
 @pytest.mark.parametrize("n", [8, 4])
@@ -180,12 +245,14 @@ def _grouped_grads(case, n, dtype):
   """Plain single-program gradients of per-device BatchNorm: the mean of the n device
   groups' losses, each over its own samples (as zjax runs `case.loss_fn` per device)."""
   cast = lambda t: jax.tree.map(  # noqa: E731
-      lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, t)
+    lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, t
+  )
 
   def loss(params, batch, extra):
     groups = jax.tree.map(lambda x: x.reshape((n, -1) + x.shape[1:]), batch)
     losses, _ = jax.vmap(lambda b: case.reference_loss_fn(params, b, extra))(groups)
     return losses.mean()
+
   grads = jax.jit(jax.grad(loss))(cast(case.params), cast(case.batch), cast(case.extra))
   return jax.tree.map(lambda g: np.asarray(g, np.float64), grads)
 
@@ -194,7 +261,7 @@ def _relative_error(grads, exact) -> float:
   """||grads - exact|| / ||exact|| over every leaf together."""
   pairs = list(zip(jax.tree.leaves(grads), jax.tree.leaves(exact)))
   num = sum(float(np.sum((np.asarray(g, np.float64) - e) ** 2)) for g, e in pairs)
-  return (num / sum(float(np.sum(e ** 2)) for _, e in pairs)) ** 0.5
+  return (num / sum(float(np.sum(e**2)) for _, e in pairs)) ** 0.5
 
 
 @pytest.mark.parametrize("rule", [True, False], ids=["rule", "xla-conv"])
@@ -207,8 +274,9 @@ def test_as_accurate_as_plain_fp32_on_an_ill_conditioned_resnet(rule, monkeypatc
   amplified by 2-sample statistics): at width 4, where no rule applies, one BatchNorm
   scale's error is 5.3x plain's, so the check is over all leaves together."""
   n = 8
-  case = real_models.resnet_syncbn(16, axis_name=None, image=8, blocks=2, stages=(
-      (16, 1), (32, 2), (64, 2), (128, 2)))
+  case = real_models.resnet_syncbn(
+    16, axis_name=None, image=8, blocks=2, stages=((16, 1), (32, 2), (64, 2), (128, 2))
+  )
   with jax.enable_x64(True):
     exact = _grouped_grads(case, n, jnp.float64)
   plain = _relative_error(_grouped_grads(case, n, jnp.float32), exact)
@@ -218,10 +286,12 @@ def test_as_accurate_as_plain_fp32_on_an_ill_conditioned_resnet(rule, monkeypatc
   def spy(*args):
     picked.append(kernel_dominated(*args))
     return picked[-1] and rule
+
   monkeypatch.setattr(segments, "_kernel_dominated", spy)
   mesh = mesh_of(n)
-  schedule = zjax.compile_schedule(case.loss_fn, case.params, case.batch, mesh=mesh,
-                                   extra=case.extra)
+  schedule = zjax.compile_schedule(
+    case.loss_fn, case.params, case.batch, mesh=mesh, extra=case.extra
+  )
   step = zjax.value_and_grad(case.loss_fn, schedule, mesh=mesh)
   _, grads = step(zjax.shard(case.params, schedule, mesh), case.batch, case.extra)
   assert any(picked)  # the rule's convolutions are there (run or not)

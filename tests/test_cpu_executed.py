@@ -35,8 +35,8 @@ def _barrier_program(x):
 def test_disabled_passes_parses_every_form():
   assert xla_options.disabled_passes("") == []
   assert xla_options.disabled_passes(
-      "--xla_foo=1 --xla_disable_hlo_passes=a,cse_barrier_expander "
-      "--xla_disable_hlo_passes b,a") == ["a", "cse_barrier_expander", "b"]
+    "--xla_foo=1 --xla_disable_hlo_passes=a,cse_barrier_expander --xla_disable_hlo_passes b,a"
+  ) == ["a", "cse_barrier_expander", "b"]
 
 
 def test_execution_options_undo_only_the_barrier_pass_and_warn_once(monkeypatch):
@@ -65,29 +65,33 @@ def test_analysis_compile_keeps_barriers_and_cannot_run():
 def test_a_script_that_still_sets_the_old_flag_runs_barrier_free_with_one_warning():
   """A user's own process-wide flag reaches neither value_and_grad nor the trainer."""
   code = (
-      "import warnings, jax, jax.numpy as jnp, optax, zjax\n"
-      "jax.config.update('jax_num_cpu_devices', 8)\n"
-      "from helpers import mlp, mesh_of\n"
-      "loss, params, batch = mlp()\n"
-      "mesh = mesh_of(8)\n"
-      "s = zjax.compile_schedule(loss, params, batch, mesh=mesh)\n"
-      "with warnings.catch_warnings(record=True) as seen:\n"
-      "  warnings.simplefilter('always')\n"
-      "  step = zjax.value_and_grad(loss, s, mesh=mesh)\n"
-      "  t = zjax.zero3(loss, optax.sgd(0.1), s, mesh=mesh)\n"
-      "sharded = zjax.shard(params, s, mesh)\n"
-      "assert 'opt-barrier' not in step.lower(sharded, batch).compile().as_text()\n"
-      "state = t.init(params)\n"
-      "assert 'opt-barrier' not in t.step.lower(state, batch).compile().as_text()\n"
-      "assert 'opt-barrier' in zjax.hlo.compile_for_analysis(step.lower(sharded, batch))"
-      ".as_text()\n"
-      "t.step(state, batch)\n"
-      "print(sum('cse_barrier_expander' in str(w.message) for w in seen))\n")
-  env = {**os.environ, "XLA_FLAGS": BARRIER_FLAG,
-         "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__),
-                                        os.environ.get("PYTHONPATH", "")])}
-  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                        env=env, timeout=600)
+    "import warnings, jax, jax.numpy as jnp, optax, zjax\n"
+    "jax.config.update('jax_num_cpu_devices', 8)\n"
+    "from helpers import mlp, mesh_of\n"
+    "loss, params, batch = mlp()\n"
+    "mesh = mesh_of(8)\n"
+    "s = zjax.compile_schedule(loss, params, batch, mesh=mesh)\n"
+    "with warnings.catch_warnings(record=True) as seen:\n"
+    "  warnings.simplefilter('always')\n"
+    "  step = zjax.value_and_grad(loss, s, mesh=mesh)\n"
+    "  t = zjax.zero3(loss, optax.sgd(0.1), s, mesh=mesh)\n"
+    "sharded = zjax.shard(params, s, mesh)\n"
+    "assert 'opt-barrier' not in step.lower(sharded, batch).compile().as_text()\n"
+    "state = t.init(params)\n"
+    "assert 'opt-barrier' not in t.step.lower(state, batch).compile().as_text()\n"
+    "assert 'opt-barrier' in zjax.hlo.compile_for_analysis(step.lower(sharded, batch))"
+    ".as_text()\n"
+    "t.step(state, batch)\n"
+    "print(sum('cse_barrier_expander' in str(w.message) for w in seen))\n"
+  )
+  env = {
+    **os.environ,
+    "XLA_FLAGS": BARRIER_FLAG,
+    "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]),
+  }
+  done = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
+  )
   assert done.returncode == 0, done.stderr[-3000:]
   assert done.stdout.strip() == "1"  # one warning, naming the flag
 
@@ -101,19 +105,27 @@ def bench_gpt_steps():
   out = {}
   for rolled in (True, False):
     config = dataclasses.replace(model.config, roll_layers=rolled)
-    schedule = zjax.compile_schedule(model.loss_fn, model.params, model.batch, mesh=mesh,
-                                     config=config)
+    schedule = zjax.compile_schedule(
+      model.loss_fn, model.params, model.batch, mesh=mesh, config=config
+    )
     step = zjax.value_and_grad(model.loss_fn, schedule, mesh=mesh)
     sharded = zjax.shard(model.params, schedule, mesh)
     lowered = step.lower(sharded, model.batch)
-    out[rolled] = (schedule.report(), zjax.hlo.compile_for_analysis(lowered),
-                   lowered.compile(), step, sharded, model.batch)
+    out[rolled] = (
+      schedule.report(),
+      zjax.hlo.compile_for_analysis(lowered),
+      lowered.compile(),
+      step,
+      sharded,
+      model.batch,
+    )
   return out
 
 
 @pytest.mark.parametrize("rolled", [True, False], ids=["rolled", "unrolled"])
 def test_the_cpu_executed_step_differs_from_the_analysed_one_only_by_merged_gathers(
-    bench_gpt_steps, rolled):
+  bench_gpt_steps, rolled
+):
   report, analysis, executed, *_ = bench_gpt_steps[rolled]
   judged, ran = zjax.hlo.executed(analysis.as_text()), zjax.hlo.executed(executed.as_text())
   assert judged["all_gather_count"] == report["all_gather_count"]
@@ -121,10 +133,12 @@ def test_the_cpu_executed_step_differs_from_the_analysed_one_only_by_merged_gath
   assert ran["reduce_scatter_count"] == report["reduce_scatter_count"]
   assert ran["all_gather_count"] <= judged["all_gather_count"]
   assert "opt-barrier" not in executed.as_text() and "opt-barrier" in analysis.as_text()
-  print(f"\nbench GPT {'rolled' if rolled else 'unrolled'}: all-gathers analysed "
-        f"{judged['all_gather_count']} / CPU-executed {ran['all_gather_count']}; temp "
-        f"analysed {analysis.memory_analysis().temp_size_in_bytes / 2**10:.0f} KiB / "
-        f"CPU-executed {executed.memory_analysis().temp_size_in_bytes / 2**10:.0f} KiB")
+  print(
+    f"\nbench GPT {'rolled' if rolled else 'unrolled'}: all-gathers analysed "
+    f"{judged['all_gather_count']} / CPU-executed {ran['all_gather_count']}; temp "
+    f"analysed {analysis.memory_analysis().temp_size_in_bytes / 2**10:.0f} KiB / "
+    f"CPU-executed {executed.memory_analysis().temp_size_in_bytes / 2**10:.0f} KiB"
+  )
 
 
 def test_the_executed_step_is_deterministic(bench_gpt_steps):

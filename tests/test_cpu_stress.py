@@ -16,9 +16,29 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_stress_harness_short_run(tmp_path):
   out = tmp_path / "stress.json"
   done = subprocess.run(
-      [sys.executable, str(ROOT / "examples" / "cpu_stress.py"), "--cases", "gpt", "griffin",
-       "--runs", "2", "--gpt-runs", "2", "--steps", "4", "--load", "1", "--timeout", "600",
-       "--json", str(out)], capture_output=True, text=True, timeout=1200)
+    [
+      sys.executable,
+      str(ROOT / "examples" / "cpu_stress.py"),
+      "--cases",
+      "gpt",
+      "griffin",
+      "--runs",
+      "2",
+      "--gpt-runs",
+      "2",
+      "--steps",
+      "4",
+      "--load",
+      "1",
+      "--timeout",
+      "600",
+      "--json",
+      str(out),
+    ],
+    capture_output=True,
+    text=True,
+    timeout=1200,
+  )
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   rows = {row["case"]: row for row in json.loads(out.read_text())}
   assert set(rows) == {"gpt", "griffin"}

@@ -20,15 +20,33 @@ SCRIPT = str(ROOT / "examples" / "distributed_gpt.py")
 
 
 def launch(*args, nproc=2, timeout=60):
-  return subprocess.run([sys.executable, "-m", "zjax.cli.main", "launch", "--nproc", str(nproc),
-                         "--devices-per-process", "4", "--timeout", str(timeout), "--",
-                         sys.executable, SCRIPT, *args],
-                        capture_output=True, text=True, timeout=600)
+  return subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "zjax.cli.main",
+      "launch",
+      "--nproc",
+      str(nproc),
+      "--devices-per-process",
+      "4",
+      "--timeout",
+      str(timeout),
+      "--",
+      sys.executable,
+      SCRIPT,
+      *args,
+    ],
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
 
 
 def single(*args):
-  return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
-                        timeout=600)
+  return subprocess.run(
+    [sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=600
+  )
 
 
 def read(path):
@@ -62,12 +80,14 @@ def test_hsdp_across_two_processes_equals_one_process_and_flat(tmp_path, layout)
 
 
 def test_two_processes_train_like_one_and_checkpoints_cross(tmp_path):
-  two = launch("--steps", "5", "--out", str(tmp_path / "two.json"), "--save",
-               str(tmp_path / "ck_two"))
+  two = launch(
+    "--steps", "5", "--out", str(tmp_path / "two.json"), "--save", str(tmp_path / "ck_two")
+  )
   assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
   assert "[p0] step 4" in two.stdout and "[p1] step 4" in two.stdout
-  one = single("--steps", "5", "--out", str(tmp_path / "one.json"), "--save",
-               str(tmp_path / "ck_one"))
+  one = single(
+    "--steps", "5", "--out", str(tmp_path / "one.json"), "--save", str(tmp_path / "ck_one")
+  )
   assert one.returncode == 0, one.stderr[-3000:]
   a, b = read(tmp_path / "two.json"), read(tmp_path / "one.json")
   assert (a["processes"], b["processes"]) == (2, 1)
@@ -78,12 +98,14 @@ def test_two_processes_train_like_one_and_checkpoints_cross(tmp_path):
   assert_params(a["params"], b["params"], rtol=1e-5, atol=1e-5)
 
   # saved by 2 processes, restored by 1; saved by 1, restored by 2: exactly the same params
-  back_one = single("--steps", "0", "--restore", str(tmp_path / "ck_two"), "--out",
-                    str(tmp_path / "r1.json"))
+  back_one = single(
+    "--steps", "0", "--restore", str(tmp_path / "ck_two"), "--out", str(tmp_path / "r1.json")
+  )
   assert back_one.returncode == 0, back_one.stderr[-3000:]
   assert_params(read(tmp_path / "r1.json")["params"], a["params"], rtol=0, atol=0)
-  back_two = launch("--steps", "0", "--restore", str(tmp_path / "ck_one"), "--out",
-                    str(tmp_path / "r2.json"))
+  back_two = launch(
+    "--steps", "0", "--restore", str(tmp_path / "ck_one"), "--out", str(tmp_path / "r2.json")
+  )
   assert back_two.returncode == 0, back_two.stdout[-3000:]
   assert_params(read(tmp_path / "r2.json")["params"], b["params"], rtol=0, atol=0)
 
@@ -117,14 +139,24 @@ def test_a_failing_process_stops_the_run_within_the_timeout():
 
 
 def test_a_plain_run_does_not_join_anything():
-  done = subprocess.run([sys.executable, "-c", "import zjax; print(zjax.distributed."
-                         "initialize())"], capture_output=True, text=True, timeout=300)
+  done = subprocess.run(
+    [sys.executable, "-c", "import zjax; print(zjax.distributed.initialize())"],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert done.returncode == 0 and done.stdout.strip() == "False"
 
 
 def test_launch_bad_arguments():
-  done = subprocess.run([sys.executable, "-m", "zjax.cli.main", "launch", "--nproc", "0",
-                         "--", "true"], capture_output=True, text=True, timeout=300)
+  done = subprocess.run(
+    [sys.executable, "-m", "zjax.cli.main", "launch", "--nproc", "0", "--", "true"],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert done.returncode == 2
-  assert done.stderr.strip() == "zjax launch: error: --nproc must be a positive number of " \
-      "processes, got 0."
+  assert (
+    done.stderr.strip() == "zjax launch: error: --nproc must be a positive number of "
+    "processes, got 0."
+  )

@@ -44,11 +44,12 @@ def blocks(page: pathlib.Path) -> list[Block]:
     end = next((j for j in range(k + 1, len(lines)) if lines[j].strip() == "```"), None)
     if end is None:
       raise AssertionError(f"{page.relative_to(ROOT)}:{k + 1}: a fence that never closes")
-    body = "\n".join(line[len(indent):] for line in lines[k + 1:end]) + "\n"
+    body = "\n".join(line[len(indent) :] for line in lines[k + 1 : end]) + "\n"
     before = next((lines[j] for j in range(k - 1, -1, -1) if lines[j].strip()), "")
     marked = NOT_RUN.match(before)
-    out.append(Block(page, start + 1, m.group("info").strip(), body,
-                     marked.group("why") if marked else None))
+    out.append(
+      Block(page, start + 1, m.group("info").strip(), body, marked.group("why") if marked else None)
+    )
     k = end + 1
   return out
 
@@ -57,8 +58,9 @@ ALL_BLOCKS = [b for page in PAGES for b in blocks(page)]
 
 
 def test_every_fence_says_what_it_holds():
-  bad = [f"{b}: ```{b.kind} (say python, console or text)" for b in ALL_BLOCKS
-         if b.kind not in KINDS]
+  bad = [
+    f"{b}: ```{b.kind} (say python, console or text)" for b in ALL_BLOCKS if b.kind not in KINDS
+  ]
   assert not bad, "\n".join(bad)
 
 
@@ -100,8 +102,11 @@ def test_readme_example_runs(readme_namespace):
   assert readme_namespace["exported"]["params"]
 
 
-@pytest.mark.parametrize("page", [p for p in _python_pages() if p.name != "README.md"],
-                         ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize(
+  "page",
+  [p for p in _python_pages() if p.name != "README.md"],
+  ids=lambda p: str(p.relative_to(ROOT)),
+)
 def test_guide_python_blocks_run(page, readme_namespace, tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   continues = CONTINUES.search(page.read_text())
@@ -125,11 +130,14 @@ def commands(block: Block) -> list[str]:
 
 @pytest.mark.parametrize("block", CONSOLE, ids=str)
 def test_console_blocks_run(block):
-  env = dict(os.environ, PATH=f"{pathlib.Path(sys.executable).parent}{os.pathsep}"
-             f"{os.environ.get('PATH', '')}")
+  env = dict(
+    os.environ,
+    PATH=f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+  )
   for command in commands(block):
-    done = subprocess.run(command, shell=True, cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+      command, shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, f"{block}: {command}\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
 
 
@@ -188,13 +196,21 @@ def test_public_names_have_docstrings():
   import zjax
   import zjax.distributed
   import zjax.hlo
-  missing = [f"{m.__name__}.{n}" for m in (zjax, zjax.hlo, zjax.distributed)
-             for n in m.__all__ if not (getattr(m, n).__doc__ or "").strip()]
+
+  missing = [
+    f"{m.__name__}.{n}"
+    for m in (zjax, zjax.hlo, zjax.distributed)
+    for n in m.__all__
+    if not (getattr(m, n).__doc__ or "").strip()
+  ]
   assert not missing, f"public names without a docstring: {missing}"
 
 
 def test_the_architecture_page_names_every_source_file():
   page = (ROOT / "docs/architecture.md").read_text()
-  missing = [p.name for p in sorted((ROOT / "zjax/_src").glob("*.py"))
-             if p.name != "__init__.py" and f"zjax/_src/{p.name}" not in page]
+  missing = [
+    p.name
+    for p in sorted((ROOT / "zjax/_src").glob("*.py"))
+    if p.name != "__init__.py" and f"zjax/_src/{p.name}" not in page
+  ]
   assert not missing, f"docs/architecture.md's file map lacks {missing}"

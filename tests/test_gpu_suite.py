@@ -79,9 +79,13 @@ GPU_TEXT = textwrap.dedent("""\
 def test_gpu_text_collectives_counted_once_per_run_of_their_computation():
   found = {(c.kind, c.computation): c for c in hlo.collectives(GPU_TEXT)}
   # the reduce-scatter inside the async wrapper counts at its start, not twice
-  assert sorted(found) == [("all_gather", "body"), ("all_gather", "main"),
-                           ("all_reduce", "inner_body"), ("collective_permute", "inner_body"),
-                           ("reduce_scatter", "body")]
+  assert sorted(found) == [
+    ("all_gather", "body"),
+    ("all_gather", "main"),
+    ("all_reduce", "inner_body"),
+    ("collective_permute", "inner_body"),
+    ("reduce_scatter", "body"),
+  ]
   assert found[("all_gather", "body")].bytes == 4096  # the start's output, not its operand
   assert found[("reduce_scatter", "body")].bytes == 128 * 4 * 8
   assert found[("collective_permute", "inner_body")].bytes == 128  # not the u32 contexts
@@ -105,7 +109,9 @@ def test_gpu_text_overlap_and_barriers():
   assert hlo.barrier_count("%0 = stablehlo.optimization_barrier %a, %b : tensor<4xf32>") == 1
 
 
-@pytest.mark.parametrize("groups, expected", [
+@pytest.mark.parametrize(
+  "groups, expected",
+  [
     ("mesh['fsdp'=4,'tensor'=2] {'fsdp'}", ((0, 2, 4, 6), (1, 3, 5, 7))),
     ("mesh['fsdp'=4,'tensor'=2] {'tensor'}", ((0, 1), (2, 3), (4, 5), (6, 7))),
     ("mesh['replica'=2,'fsdp'=4] {'replica','fsdp'}", (tuple(range(8)),)),
@@ -115,10 +121,13 @@ def test_gpu_text_overlap_and_barriers():
     ("mesh['a'=2,'b'=4]<=[4,2]T(1,0) {'a'}", ((0, 1), (2, 3), (4, 5), (6, 7))),
     ("[2,4]<=[8]", ((0, 1, 2, 3), (4, 5, 6, 7))),
     ("{{0,2},{1,3}}", ((0, 2), (1, 3))),
-])
+  ],
+)
 def test_replica_group_forms(groups, expected):
-  assert hlo.replica_groups(f"x = f32[8] all-gather(y), replica_groups={groups}, "
-                            f"dimensions={{0}}") == expected
+  assert (
+    hlo.replica_groups(f"x = f32[8] all-gather(y), replica_groups={groups}, dimensions={{0}}")
+    == expected
+  )
 
 
 def test_mesh_axes_groups_name_their_axes():
@@ -133,12 +142,15 @@ def test_gpu_programs_leave_combining_to_the_schedule():
   CPU programs are unchanged; this jaxlib knows the option names."""
   import jax
   import jax.numpy as jnp
+
   from zjax._src import xla_options
+
   assert xla_options.execution_options("gpu") == xla_options.GPU_OPTIONS
   assert xla_options.analysis_options("cuda") == xla_options.GPU_OPTIONS
-  assert set(xla_options.GPU_OPTIONS) == {f"xla_gpu_{kind}_combine_threshold_bytes"
-                                          for kind in ("all_gather", "reduce_scatter",
-                                                       "all_reduce")}
+  assert set(xla_options.GPU_OPTIONS) == {
+    f"xla_gpu_{kind}_combine_threshold_bytes"
+    for kind in ("all_gather", "reduce_scatter", "all_reduce")
+  }
   assert xla_options.execution_options("cpu") == {}
   assert "xla_gpu_all_gather_combine_threshold_bytes" not in xla_options.analysis_options("cpu")
   program = jax.jit(lambda x: x + 1, compiler_options=xla_options.GPU_OPTIONS)
@@ -149,7 +161,9 @@ def test_schedule_check_is_skipped_under_a_mock_topology():
   """One process stands for all under a mock topology and its collectives move no data: the
   processes' schedules cannot be compared there (on an H200 the comparison read garbage)."""
   import jax
+
   from zjax import distributed
+
   assert not distributed._mocked_processes()
   jax.config.update("jax_mock_gpu_topology", "1x8x1")  # (read only when a GPU client starts)
   try:
@@ -162,27 +176,28 @@ def test_schedule_check_is_skipped_under_a_mock_topology():
 def test_collective_permute_groups_come_from_its_pairs():
   """A collective-permute has source-target pairs, not replica groups: its axes are those the
   pairs connect (it was labelled as spanning every axis)."""
-  ring = ("  %cp = f32[4]{0} collective-permute(f32[4]{0} %x), source_target_pairs={{0,2},{2,4},"
-          "{4,6},{6,0},{1,3},{3,5},{5,7},{7,1}}")
+  ring = (
+    "  %cp = f32[4]{0} collective-permute(f32[4]{0} %x), source_target_pairs={{0,2},{2,4},"
+    "{4,6},{6,0},{1,3},{3,5},{5,7},{7,1}}"
+  )
   groups = hlo.replica_groups(ring)
   assert groups == ((0, 2, 4, 6), (1, 3, 5, 7))
   assert hlo.axes_of_groups(groups, {"fsdp": 4, "tensor": 2}) == "fsdp"
   swap = "  %cp = f32[4]{0} collective-permute(f32[4]{0} %x), source_target_pairs={{0,1},{1,0}}"
-  assert hlo.axes_of_groups(hlo.replica_groups(swap), {"fsdp": 4, "tensor": 2}) == \
-      "tensor (part)"
+  assert hlo.axes_of_groups(hlo.replica_groups(swap), {"fsdp": 4, "tensor": 2}) == "tensor (part)"
 
 
 def _run(args, **kwargs):
-  return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
-                        **kwargs)
+  return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, **kwargs)
 
 
 def test_tiny_suite_end_to_end(tmp_path):
   """The command a GPU machine runs, in tiny mode: every part that can run on CPU devices
   runs and writes its figures; the GPU-only ones say why they were skipped."""
   out = tmp_path / "gpu"
-  done = _run(["zjax.cli.main", "bench", "--suite", "gpu", "--tiny", "--out", str(out)],
-              timeout=900)
+  done = _run(
+    ["zjax.cli.main", "bench", "--suite", "gpu", "--tiny", "--out", str(out)], timeout=900
+  )
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   results = json.loads((out / "gpu.json").read_text())
   assert results["tiny"] and results["machine"]["platform"] == "cpu"
@@ -190,8 +205,7 @@ def test_tiny_suite_end_to_end(tmp_path):
   parts = results["parts"]
   for name in ("mock_run", "offload_budget"):
     assert parts[name]["status"] == "skipped" and "GPU" in parts[name]["reason"]
-  for name in ("compile", "single_zjax", "single_plain", "offload_optimizer",
-               "offload_params"):
+  for name in ("compile", "single_zjax", "single_plain", "offload_optimizer", "offload_params"):
     assert parts[name]["status"] == "ok", (name, parts[name])
     assert all(v["status"] == "ok" for v in parts[name]["items"].values()), parts[name]
   compiled = parts["compile"]["items"]
@@ -203,16 +217,19 @@ def test_tiny_suite_end_to_end(tmp_path):
     assert (out / "hlo" / f"{name}_program.txt.gz").exists()
   tp = compiled["llama_rolled_default_tp"]["bytes_by_axis"]
   assert "fsdp" in tp["all_gather"] and "fsdp" in tp["reduce_scatter"]
-  single = {name: next(iter(parts[name]["items"].values()))
-            for name in ("single_zjax", "single_plain", "offload_optimizer", "offload_params")}
+  single = {
+    name: next(iter(parts[name]["items"].values()))
+    for name in ("single_zjax", "single_plain", "offload_optimizer", "offload_params")
+  }
   for row in single.values():
     assert np.isfinite(row["losses"]).all() and row["losses"][-1] < row["losses"][0]
     assert row["step_seconds"] > 0 and "mfu" not in row  # no MFU without a GPU's peak
     assert "peak_device_bytes_skipped" in row
   # the same model and data: zjax's first loss is the plain program's (bf16 compute both),
   # and offloaded training is bitwise training on the device
-  np.testing.assert_allclose(single["single_zjax"]["losses"][0],
-                             single["single_plain"]["losses"][0], rtol=5e-3)
+  np.testing.assert_allclose(
+    single["single_zjax"]["losses"][0], single["single_plain"]["losses"][0], rtol=5e-3
+  )
   for name in ("offload_optimizer", "offload_params"):
     assert single[name]["losses"] == single["single_zjax"]["losses"]
     assert single[name]["predicted_peak_device_bytes"] > 0
@@ -225,7 +242,8 @@ def test_tiny_suite_end_to_end(tmp_path):
 def test_a_part_stopped_at_its_limit_keeps_what_it_recorded(tmp_path):
   """A part that outlives its limit is stopped; the items it finished stay in the results."""
   module = tmp_path / "slow_part.py"
-  module.write_text(textwrap.dedent("""\
+  module.write_text(
+    textwrap.dedent("""\
       import sys, time
       from zjax.bench import gpu_record
       record = gpu_record.PartRecord(sys.argv[sys.argv.index("--out") + 1], "slow")
@@ -233,28 +251,35 @@ def test_a_part_stopped_at_its_limit_keeps_what_it_recorded(tmp_path):
       record.run_item("broken", lambda: 1 / 0)
       time.sleep(120)
       record.run_item("never", lambda: {})
-      """))
+      """)
+  )
   out = str(tmp_path / "out")
   os.makedirs(os.path.join(out, "logs"))
   env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-  record = gpu_suite._run_part(out, ("slow", "slow_part", [], 0, False), tiny=False,
-                               limit=8, log=lambda _: None, env=env)
+  record = gpu_suite._run_part(
+    out, ("slow", "slow_part", [], 0, False), tiny=False, limit=8, log=lambda _: None, env=env
+  )
   assert record["status"] == "incomplete" and "time limit" in record["ended"]
-  assert record["items"]["first"] == {"status": "ok", "value": 1,
-                                      "seconds": record["items"]["first"]["seconds"]}
+  assert record["items"]["first"] == {
+    "status": "ok",
+    "value": 1,
+    "seconds": record["items"]["first"]["seconds"],
+  }
   assert record["items"]["broken"]["status"] == "error"
   assert "ZeroDivisionError" in record["items"]["broken"]["error"]
   assert "never" not in record["items"]
 
 
 def test_compile_part_skips_items_past_its_deadline(tmp_path):
-  done = _run(["zjax.bench.gpu_compile", "--out", str(tmp_path), "--tiny", "--deadline", "0"],
-              timeout=300)
+  done = _run(
+    ["zjax.bench.gpu_compile", "--out", str(tmp_path), "--tiny", "--deadline", "0"], timeout=300
+  )
   assert done.returncode == 0, done.stderr[-2000:]
   record = json.loads((tmp_path / "parts" / "compile.json").read_text())
   assert record["done"] and record["items"]
-  assert all(v == {"status": "skipped", "reason": "the part's time limit"}
-             for v in record["items"].values())
+  assert all(
+    v == {"status": "skipped", "reason": "the part's time limit"} for v in record["items"].values()
+  )
 
 
 def test_bad_arguments_name_the_flag(tmp_path):
@@ -262,6 +287,8 @@ def test_bad_arguments_name_the_flag(tmp_path):
   a_file.write_text("")
   done = _run(["zjax.cli.main", "bench", "--suite", "gpu", "--out", str(a_file)], timeout=120)
   assert done.returncode == 2 and "--out" in done.stderr and "not a directory" in done.stderr
-  done = _run(["zjax.cli.main", "bench", "--suite", "gpu", "--time-scale", "0", "--out",
-               str(tmp_path / "d")], timeout=120)
+  done = _run(
+    ["zjax.cli.main", "bench", "--suite", "gpu", "--time-scale", "0", "--out", str(tmp_path / "d")],
+    timeout=120,
+  )
   assert done.returncode == 2 and "--time-scale" in done.stderr

@@ -12,14 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+
+import zjax
 from helpers import assert_trees_close, mesh_of, mlp, reference
 from real_models import CASES, resnet_syncbn
 from test_execute import COND_PARAMS, cond_loss, gpt_setup
 from test_real_models import assert_same_outputs
 from test_real_models import reference as case_reference
 from test_train import reference_run
-
-import zjax
 
 SHAPES = [(2, 4), (4, 2)]
 # After Adam steps: Adam's m/sqrt(v) turns the last-bit reduction-order differences of
@@ -32,8 +32,9 @@ PARAM_ATOL = 5e-5
 # where the update is lr * g / (|g| + eps) and a 3% reduction-order difference of g moves
 # the parameter by 5.2e-5 after 5 steps. eps=1e-5 keeps those updates linear in g.
 ADAMW = optax.adamw(1e-2, eps=1e-5)
-CONFIG = zjax.ZeroConfig(param_persistence_threshold=64, max_reuse_distance=0,
-                         replicate_axes=("data",))
+CONFIG = zjax.ZeroConfig(
+  param_persistence_threshold=64, max_reuse_distance=0, replicate_axes=("data",)
+)
 HPZ = dataclasses.replace(CONFIG, secondary_partition=True)
 FLAT_2D = dataclasses.replace(CONFIG, shard_axes=("data", "fsdp"), replicate_axes=())
 LAYOUTS = {"hsdp": CONFIG, "hpz": HPZ, "flat2d": FLAT_2D}
@@ -45,6 +46,7 @@ def hsdp_mesh(shape):
 
 def scanned_gpt_setup():
   from gpt import GPT, GPTConfig, make_loss_fn
+
   cfg = GPTConfig(d_model=64, n_layer=2, n_head=4, d_ff=128, seq_len=16, scan_layers=True)
   model = GPT(cfg)
   tokens = jax.random.randint(jax.random.key(0), (8, cfg.seq_len + 1), 0, cfg.vocab_size)
@@ -59,8 +61,12 @@ def tied_cond_setup():
   return loss, COND_PARAMS, batch
 
 
-MODELS = {"mlp": mlp, "gpt": gpt_setup, "scanned_gpt": scanned_gpt_setup,
-          "tied_cond": tied_cond_setup}
+MODELS = {
+  "mlp": mlp,
+  "gpt": gpt_setup,
+  "scanned_gpt": scanned_gpt_setup,
+  "tied_cond": tied_cond_setup,
+}
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -73,7 +79,10 @@ def test_gradients_equal_the_full_batch_and_the_report_the_program(name, shape, 
   storage = {"hsdp": shape[1], "hpz": 8, "flat2d": 8}[layout]
   replicas = {"hsdp": shape[0], "hpz": shape[0], "flat2d": 1}[layout]
   assert (schedule.num_devices, schedule.replicas, schedule.shards) == (
-      storage, replicas, 8 // replicas)
+    storage,
+    replicas,
+    8 // replicas,
+  )
   step = zjax.value_and_grad(loss, schedule, mesh=mesh)
   sharded = zjax.shard(params, schedule, mesh)
   value, grads = step(sharded, batch)
@@ -85,8 +94,10 @@ def test_gradients_equal_the_full_batch_and_the_report_the_program(name, shape, 
   text = zjax.hlo.compile_for_analysis(step.lower(sharded, batch)).as_text()
   executed = zjax.hlo.executed(text)
   for kind in ("all_gather", "reduce_scatter"):
-    assert (executed.get(f"{kind}_count", 0), executed.get(f"{kind}_bytes", 0)) == \
-        (report[f"{kind}_count"], report[f"{kind}_bytes"]), kind
+    assert (executed.get(f"{kind}_count", 0), executed.get(f"{kind}_bytes", 0)) == (
+      report[f"{kind}_count"],
+      report[f"{kind}_bytes"],
+    ), kind
   if layout == "hsdp":
     assert report["replica_all_reduce_bytes"] == report["reduce_scatter_bytes"] // shape[1] > 0
   else:
@@ -118,7 +129,8 @@ def test_replica_groups_of_every_collective(layout):
   schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=LAYOUTS[layout])
   step = zjax.value_and_grad(loss, schedule, mesh=mesh)
   text = zjax.hlo.compile_for_analysis(
-      step.lower(zjax.shard(params, schedule, mesh), batch)).as_text()
+    step.lower(zjax.shard(params, schedule, mesh), batch)
+  ).as_text()
   shard_groups = {(0, 1, 2, 3), (4, 5, 6, 7)}  # device ids along "fsdp"
   everyone = {tuple(range(8))}
   found = {"all_gather": [], "reduce_scatter": [], "all_reduce": []}
@@ -130,12 +142,19 @@ def test_replica_groups_of_every_collective(layout):
   else:  # as executed: a collective in a while body once per iteration
     assert all(g == everyone for g in found["reduce_scatter"] + found["all_reduce"])
     trips = zjax.hlo.while_loops(text)
-    gathers = [(set(c.groups) == shard_groups, trips.get(c.computation, 1))
-               for c in zjax.hlo.collectives(text) if c.kind == "all_gather"]
-    assert sum(n for inside, n in gathers if inside) == \
-        schedule.report()["backward_all_gather_count"] > 0
-    assert sum(n for inside, n in gathers if not inside) == \
-        schedule.report()["forward_all_gather_count"]
+    gathers = [
+      (set(c.groups) == shard_groups, trips.get(c.computation, 1))
+      for c in zjax.hlo.collectives(text)
+      if c.kind == "all_gather"
+    ]
+    assert (
+      sum(n for inside, n in gathers if inside)
+      == schedule.report()["backward_all_gather_count"]
+      > 0
+    )
+    assert (
+      sum(n for inside, n in gathers if not inside) == schedule.report()["forward_all_gather_count"]
+    )
 
 
 def train_five_steps(loss, params, batch, mesh, config):
@@ -156,17 +175,23 @@ def gpt_reference():
   flat_mesh = mesh_of(8)
   flat_config = dataclasses.replace(CONFIG, replicate_axes=())
   _, flat, flat_state, _ = train_five_steps(loss, params, batch, flat_mesh, flat_config)
-  return (loss, params, batch, reference_run(loss, ADAMW, params, [batch] * 5),
-          flat.gather_params(flat_state))
+  return (
+    loss,
+    params,
+    batch,
+    reference_run(loss, ADAMW, params, [batch] * 5),
+    flat.gather_params(flat_state),
+  )
 
 
-@pytest.mark.parametrize("layout,shape", [("hsdp", (2, 4)), ("hsdp", (4, 2)), ("hpz", (2, 4)),
-                                          ("hpz", (4, 2)), ("flat2d", (2, 4))])
+@pytest.mark.parametrize(
+  "layout,shape",
+  [("hsdp", (2, 4)), ("hsdp", (4, 2)), ("hpz", (2, 4)), ("hpz", (4, 2)), ("flat2d", (2, 4))],
+)
 def test_five_adamw_steps_equal_optax_and_flat_zero3(gpt_reference, layout, shape):
   loss, params, batch, (ref_params, ref_losses), flat_params = gpt_reference
   mesh = hsdp_mesh(shape)
-  schedule, trainer, state, losses = train_five_steps(loss, params, batch, mesh,
-                                                      LAYOUTS[layout])
+  schedule, trainer, state, losses = train_five_steps(loss, params, batch, mesh, LAYOUTS[layout])
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
   assert_trees_close(trainer.gather_params(state), ref_params, rtol=1e-5, atol=PARAM_ATOL)
   # HSDP: 1/S of each sharded parameter per device; hpZ and flat: 1/(R*S), as flat 8-device
@@ -182,11 +207,15 @@ def test_checkpoints_move_between_flat_hsdp_and_hpz_bitwise(tmp_path):
   flat_config = dataclasses.replace(CONFIG, replicate_axes=())
 
   def trainer(mesh, config):
-    return zjax.zero3(loss, ADAMW, zjax.compile_schedule(loss, params, batch, mesh=mesh,
-                                                         config=config), mesh=mesh)
+    return zjax.zero3(
+      loss, ADAMW, zjax.compile_schedule(loss, params, batch, mesh=mesh, config=config), mesh=mesh
+    )
 
-  flat, hybrid, four = trainer(flat_mesh, flat_config), trainer(hsdp, CONFIG), \
-      trainer(half, flat_config)
+  flat, hybrid, four = (
+    trainer(flat_mesh, flat_config),
+    trainer(hsdp, CONFIG),
+    trainer(half, flat_config),
+  )
   state, _ = flat.step(flat.init(params), batch)
   expected = jax.tree.map(np.asarray, flat.gather_params(state))
   ckpt = zjax.CheckpointManager(tmp_path / "a", flat)
@@ -202,44 +231,63 @@ def test_checkpoints_move_between_flat_hsdp_and_hpz_bitwise(tmp_path):
   hpz = trainer(hsdp_mesh((4, 2)), HPZ)
   on_hpz = ckpt.restore(hpz)
   ckpt.close()
-  assert_trees_close(hpz.gather_params(on_hpz),
-                     jax.tree.map(np.asarray, hybrid.gather_params(on_hsdp)), rtol=0, atol=0)
+  assert_trees_close(
+    hpz.gather_params(on_hpz),
+    jax.tree.map(np.asarray, hybrid.gather_params(on_hsdp)),
+    rtol=0,
+    atol=0,
+  )
   on_hpz, _ = hpz.step(on_hpz, batch)
   ckpt = zjax.CheckpointManager(tmp_path / "c", hpz)
   ckpt.save(3, on_hpz)
   ckpt.wait_until_finished()
   on_four = ckpt.restore(four)
   ckpt.close()
-  assert_trees_close(four.gather_params(on_four),
-                     jax.tree.map(np.asarray, hpz.gather_params(on_hpz)), rtol=0, atol=0)
+  assert_trees_close(
+    four.gather_params(on_four), jax.tree.map(np.asarray, hpz.gather_params(on_hpz)), rtol=0, atol=0
+  )
   assert int(on_four.step) == 3
 
 
 def test_bad_hsdp_input_is_named():
   loss, params, batch = mlp()
   mesh = hsdp_mesh((2, 4))
-  with pytest.raises(ValueError,
-                     match="replicate_axes names 'fsdp', an axis parameters are sharded over"):
+  with pytest.raises(
+    ValueError, match="replicate_axes names 'fsdp', an axis parameters are sharded over"
+  ):
     zjax.ZeroConfig(replicate_axes=("fsdp",))
   with pytest.raises(ValueError, match="replicate_axes names 'data' twice"):
     zjax.ZeroConfig(replicate_axes=("data", "data"))
-  with pytest.raises(ValueError,
-                     match="replicate_axes must be a non-empty string naming a mesh axis"):
+  with pytest.raises(
+    ValueError, match="replicate_axes must be a non-empty string naming a mesh axis"
+  ):
     zjax.ZeroConfig(replicate_axes=("data", ""))
   schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=CONFIG)
-  with pytest.raises(zjax.ZjaxError, match=r"not divisible by the 8 devices of the data axes "
-                     r"\('data', 'fsdp'\)"):
-    zjax.value_and_grad(loss, schedule, mesh=mesh)(zjax.shard(params, schedule, mesh),
-                                                   jax.tree.map(lambda x: x[:12], batch))
-  with pytest.raises(zjax.ZjaxError, match=r"replicates over 'data' \(ZeroConfig."
-                     r"replicate_axes\), an axis this mesh lacks"):
+  with pytest.raises(
+    zjax.ZjaxError,
+    match=r"not divisible by the 8 devices of the data axes "
+    r"\('data', 'fsdp'\)",
+  ):
+    zjax.value_and_grad(loss, schedule, mesh=mesh)(
+      zjax.shard(params, schedule, mesh), jax.tree.map(lambda x: x[:12], batch)
+    )
+  with pytest.raises(
+    zjax.ZjaxError,
+    match=r"replicates over 'data' \(ZeroConfig."
+    r"replicate_axes\), an axis this mesh lacks",
+  ):
     zjax.value_and_grad(loss, schedule, mesh=mesh_of(4))
-  with pytest.raises(zjax.ZjaxError, match="Mesh axis 'data' has size 1, but the schedule "
-                     "was planned with it as a replicate axis of size 2"):
-    zjax.value_and_grad(loss, schedule, mesh=jax.make_mesh((1, 4), ("data", "fsdp"),
-                                                           devices=jax.devices()[:4]))
-  with pytest.raises(zjax.ZjaxError, match="Mesh axis 'data' has size 2, but the schedule "
-                     "does not use it"):
+  with pytest.raises(
+    zjax.ZjaxError,
+    match="Mesh axis 'data' has size 1, but the schedule "
+    "was planned with it as a replicate axis of size 2",
+  ):
+    zjax.value_and_grad(
+      loss, schedule, mesh=jax.make_mesh((1, 4), ("data", "fsdp"), devices=jax.devices()[:4])
+    )
+  with pytest.raises(
+    zjax.ZjaxError, match="Mesh axis 'data' has size 2, but the schedule does not use it"
+  ):
     flat = zjax.compile_schedule(loss, params, batch, num_devices=4)
     zjax.value_and_grad(loss, flat, mesh=mesh)
 
@@ -256,8 +304,9 @@ def test_clipping_accumulation_sub_groups_and_frozen_params(layout):
   ref_params, ref_losses = reference_run(frozen_loss, optimizer, params, [batch] * 3)
   mesh = hsdp_mesh((2, 4))
   config = dataclasses.replace(LAYOUTS[layout], sub_group_size=100)
-  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=config,
-                                   frozen=lambda path: path.startswith("['layer1']"))
+  schedule = zjax.compile_schedule(
+    loss, params, batch, mesh=mesh, config=config, frozen=lambda path: path.startswith("['layer1']")
+  )
   trainer = zjax.zero3(loss, optimizer, schedule, mesh=mesh, accumulation_steps=2)
   state, metrics = trainer.init(params), []
   for _ in range(3):
@@ -280,12 +329,14 @@ def test_bf16_compute_equals_flat_bf16(layout):
   loss, params, batch = gpt_setup()
   bf16 = dataclasses.replace(LAYOUTS[layout], compute_dtype=jnp.bfloat16, roll_layers=False)
   results = []
-  for mesh, config in ((hsdp_mesh((2, 4)), bf16),
-                       (mesh_of(8), dataclasses.replace(bf16, replicate_axes=(),
-                                                        secondary_partition=False))):
+  for mesh, config in (
+    (hsdp_mesh((2, 4)), bf16),
+    (mesh_of(8), dataclasses.replace(bf16, replicate_axes=(), secondary_partition=False)),
+  ):
     schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=config)
     value, grads = zjax.value_and_grad(loss, schedule, mesh=mesh)(
-        zjax.shard(params, schedule, mesh), batch)
+      zjax.shard(params, schedule, mesh), batch
+    )
     results.append((value, zjax.unshard(grads, schedule)))
   np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-6)
   assert_trees_close(results[0][1], results[1][1], rtol=1e-5, atol=1e-6)
@@ -295,12 +346,12 @@ def test_bf16_compute_equals_flat_bf16(layout):
 def test_outside_style_models_under_hsdp(name):
   """tests/real_models.py on a 2x4 mesh; the ResNet synchronises BatchNorm over both data
   axes (axis_name=("data", "fsdp")), which equals full-batch BatchNorm."""
-  case = resnet_syncbn(axis_name=("data", "fsdp")) if name == "resnet_syncbn" else \
-      CASES[name]()
+  case = resnet_syncbn(axis_name=("data", "fsdp")) if name == "resnet_syncbn" else CASES[name]()
   mesh = hsdp_mesh((2, 4))
   config = dataclasses.replace(CONFIG, param_persistence_threshold=0)
-  schedule = zjax.compile_schedule(case.loss_fn, case.params, case.batch, mesh=mesh,
-                                   config=config, extra=case.extra)
+  schedule = zjax.compile_schedule(
+    case.loss_fn, case.params, case.batch, mesh=mesh, config=config, extra=case.extra
+  )
   sharded = zjax.shard(case.params, schedule, mesh)
   args = (sharded, case.batch) if case.extra is None else (sharded, case.batch, case.extra)
   out, grads = zjax.value_and_grad(case.loss_fn, schedule, mesh=mesh)(*args)
@@ -313,9 +364,15 @@ def test_hpz_schedule_shows_and_checks_its_secondary_partition():
   """The secondary partition is its own steps with its bytes; an edited file that breaks
   it (or the axes a collective spans) is refused, naming the step."""
   import json
+
   loss, params, batch = mlp()
-  schedule = zjax.compile_schedule(loss, params, batch, axis_sizes={"data": 2, "fsdp": 4},
-                                   config=dataclasses.replace(HPZ, roll_layers=False))
+  schedule = zjax.compile_schedule(
+    loss,
+    params,
+    batch,
+    axis_sizes={"data": 2, "fsdp": 4},
+    config=dataclasses.replace(HPZ, roll_layers=False),
+  )
   assert (schedule.num_devices, schedule.shards, schedule.replicas) == (8, 4, 2)
   kept = [st.bucket for st in schedule.forward if st.op == "keep_secondary"]
   dropped = [st.bucket for st in schedule.backward if st.op == "drop_secondary"]
@@ -345,10 +402,15 @@ def test_hpz_schedule_shows_and_checks_its_secondary_partition():
     for st in d["forward"] + d["backward"]:
       st.pop("axes", None)
 
-  for change, message in ((drop_keeps, "none is kept: add keep_secondary"),
-                          (widen_regather, r"gather runs over axes \['fsdp'\] under this "
-                                           r"config"),
-                          (plain_config, "config has no secondary partition")):
+  for change, message in (
+    (drop_keeps, "none is kept: add keep_secondary"),
+    (
+      widen_regather,
+      r"gather runs over axes \['fsdp'\] under this "
+      r"config",
+    ),
+    (plain_config, "config has no secondary partition"),
+  ):
     with pytest.raises(zjax.ScheduleError, match=message):
       zjax.Schedule.from_json(edited(change))
   with pytest.raises(ValueError, match=r"secondary_partition \(hpZ\) needs replicate_axes"):
@@ -370,13 +432,13 @@ def test_memory_of_each_layout_as_predicted(name):
     config = dataclasses.replace(config, roll_layers=False)
     schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=config)
     sharded = zjax.shard(params, schedule, mesh)
-    memory = zjax.hlo.compile_for_analysis(zjax.value_and_grad(loss, schedule, mesh=mesh).lower(
-        sharded, batch)).memory_analysis()
+    memory = zjax.hlo.compile_for_analysis(
+      zjax.value_and_grad(loss, schedule, mesh=mesh).lower(sharded, batch)
+    ).memory_analysis()
     report = schedule.report()
     assert zjax.per_device_bytes(sharded) == report["state_bytes_per_device"]
     found[layout] = (report, memory)
-  batch_share = {m.argument_size_in_bytes - r["state_bytes_per_device"]
-                 for r, m in found.values()}
+  batch_share = {m.argument_size_in_bytes - r["state_bytes_per_device"] for r, m in found.values()}
   assert len(batch_share) == 1  # the arguments are the state and the same batch share
   persistent = sum(p.size * 4 for p in schedule.params if p.persistent)
   state = {k: r["state_bytes_per_device"] - persistent for k, (r, _) in found.items()}

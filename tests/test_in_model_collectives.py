@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_trees_close, mesh_of, mlp, run_zjax
 from jax import lax
 
 import zjax
+from helpers import assert_trees_close, mesh_of, mlp, run_zjax
 
 SHARD_ALL = zjax.ZeroConfig(param_persistence_threshold=0, max_reuse_distance=0)
 
@@ -47,10 +47,12 @@ def test_axis_index_and_pmean_of_a_metric():
     return loss_fn(p, b) * scale + 0.0 * metric
 
   _, zloss, grads, _ = run_zjax(loss, params, batch, n=4, config=SHARD_ALL)
-  slices = [jax.tree.map(lambda a: a[4 * d:4 * (d + 1)], batch) for d in range(4)]
-  per_device = [jax.value_and_grad(lambda p, b, d=d: loss_fn(p, b) * (1 + 0.25 * d))(params, b)
-                for d, b in enumerate(slices)]
-  np.testing.assert_allclose(zloss, np.mean([l for l, _ in per_device]), rtol=1e-5)
+  slices = [jax.tree.map(lambda a: a[4 * d : 4 * (d + 1)], batch) for d in range(4)]
+  per_device = [
+    jax.value_and_grad(lambda p, b, d=d: loss_fn(p, b) * (1 + 0.25 * d))(params, b)
+    for d, b in enumerate(slices)
+  ]
+  np.testing.assert_allclose(zloss, np.mean([value for value, _ in per_device]), rtol=1e-5)
   assert_trees_close(grads, jax.tree.map(lambda *g: sum(g) / 4, *[g for _, g in per_device]))
 
 
@@ -73,7 +75,8 @@ def _bn_case(axis_name):
   def make_loss(m):
     def loss_fn(p, b, e):
       out, updates = m.apply({"params": p, **e}, b["x"], mutable=["batch_stats"])
-      return jnp.mean(out ** 2), {"batch_stats": updates["batch_stats"]}
+      return jnp.mean(out**2), {"batch_stats": updates["batch_stats"]}
+
     return loss_fn
 
   return make_loss(model), make_loss(_Net(None)), variables["params"], {"x": x}, extra
@@ -87,8 +90,7 @@ def test_batchnorm_on_the_models_own_axis_name_via_config():
   schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=config, extra=extra)
   step = zjax.value_and_grad(loss, schedule, mesh=mesh)
   (zloss, new_extra), grads = step(zjax.shard(params, schedule, mesh), batch, extra)
-  (ref_loss, ref_extra), ref_grads = jax.value_and_grad(full, has_aux=True)(params, batch,
-                                                                            extra)
+  (ref_loss, ref_extra), ref_grads = jax.value_and_grad(full, has_aux=True)(params, batch, extra)
   np.testing.assert_allclose(zloss, ref_loss, rtol=1e-5)
   assert_trees_close(new_extra, ref_extra)
   assert_trees_close(zjax.unshard(grads, schedule), ref_grads)
@@ -97,11 +99,13 @@ def test_batchnorm_on_the_models_own_axis_name_via_config():
 @pytest.mark.parametrize("axis", ["batch", "data"])
 def test_collectives_over_an_axis_zjax_does_not_own_are_named(axis):
   loss, _, params, batch, extra = _bn_case(axis)
-  with pytest.raises(zjax.TraceError, match=rf"over the axis '{axis}'.*data axis 'fsdp'.*"
-                     rf"ZeroConfig\(axis_name='{axis}'\)") as e:
+  with pytest.raises(
+    zjax.TraceError,
+    match=rf"over the axis '{axis}'.*data axis 'fsdp'.*"
+    rf"ZeroConfig\(axis_name='{axis}'\)",
+  ) as e:
     zjax.compile_schedule(loss, params, batch, mesh=mesh_of(8), config=SHARD_ALL, extra=extra)
   assert "NameError" not in str(e.value)
   plain, params, batch = mlp()
   with pytest.raises(zjax.TraceError, match=rf"'{axis}'"):
-    zjax.compile_schedule(lambda p, b: lax.pmean(plain(p, b), axis), params, batch,
-                          num_devices=8)
+    zjax.compile_schedule(lambda p, b: lax.pmean(plain(p, b), axis), params, batch, num_devices=8)

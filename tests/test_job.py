@@ -10,27 +10,67 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TINY = ["--d-model", "32", "--n-layer", "1", "--n-head", "2", "--d-ff", "64", "--seq-len", "32",
-        "--batch", "8", "--corpus-bytes", "300000", "--sample-bytes", "20", "--eval-batches",
-        "1", "--eval-every", "4", "--checkpoint-every", "4", "--warmup-steps", "2"]
+TINY = [
+  "--d-model",
+  "32",
+  "--n-layer",
+  "1",
+  "--n-head",
+  "2",
+  "--d-ff",
+  "64",
+  "--seq-len",
+  "32",
+  "--batch",
+  "8",
+  "--corpus-bytes",
+  "300000",
+  "--sample-bytes",
+  "20",
+  "--eval-batches",
+  "1",
+  "--eval-every",
+  "4",
+  "--checkpoint-every",
+  "4",
+  "--warmup-steps",
+  "2",
+]
 
 
 def zjax_cli(*args, cwd=None):
-  return subprocess.run([sys.executable, "-m", "zjax.cli.main", *args], capture_output=True,
-                        text=True, timeout=900, cwd=cwd)
+  return subprocess.run(
+    [sys.executable, "-m", "zjax.cli.main", *args],
+    capture_output=True,
+    text=True,
+    timeout=900,
+    cwd=cwd,
+  )
 
 
 def example(name, *args, cwd=ROOT / "examples"):
-  done = subprocess.run([sys.executable, name, *args], capture_output=True, text=True,
-                        timeout=900, cwd=cwd)
+  done = subprocess.run(
+    [sys.executable, name, *args], capture_output=True, text=True, timeout=900, cwd=cwd
+  )
   assert done.returncode == 0, done.stderr[-3000:]
   return done.stdout
 
 
 def test_train_end_to_end_then_resume_on_other_devices_scanned(tmp_path):
   out = tmp_path / "run"
-  first = zjax_cli("train", *TINY, "--steps", "8", "--devices", "4", "--lr", "1e-2",
-                   "--scan", "--out-dir", str(out))
+  first = zjax_cli(
+    "train",
+    *TINY,
+    "--steps",
+    "8",
+    "--devices",
+    "4",
+    "--lr",
+    "1e-2",
+    "--scan",
+    "--out-dir",
+    str(out),
+  )
   assert first.returncode == 0, first.stderr[-3000:]
   metrics = json.loads((out / "metrics.json").read_text())
   losses = [row["loss"] for row in metrics["train"]]
@@ -51,19 +91,40 @@ def test_train_end_to_end_then_resume_on_other_devices_scanned(tmp_path):
   assert max(len(line) for line in first.stdout.splitlines()) > 80  # piped: no 80-column wrap
 
   # a second run on 2 devices resumes from step 8's checkpoint
-  second = zjax_cli("train", *TINY, "--steps", "10", "--devices", "2", "--lr", "1e-2",
-                    "--scan", "--out-dir", str(out))
+  second = zjax_cli(
+    "train",
+    *TINY,
+    "--steps",
+    "10",
+    "--devices",
+    "2",
+    "--lr",
+    "1e-2",
+    "--scan",
+    "--out-dir",
+    str(out),
+  )
   assert second.returncode == 0, second.stderr[-3000:]
-  assert "resumed from step 8" in second.stdout and "saved on 4 device(s), now 2" in \
-      second.stdout
+  assert "resumed from step 8" in second.stdout and "saved on 4 device(s), now 2" in second.stdout
   metrics = json.loads((out / "metrics.json").read_text())
   assert [row["step"] for row in metrics["train"]] == list(range(1, 11))
   assert metrics["train"][-1]["loss"] < losses[0] - 0.5
 
   # a finished run started again: nothing to train, the metrics are kept as they were
   finished = (out / "metrics.json").read_text()
-  third = zjax_cli("train", *TINY, "--steps", "10", "--devices", "2", "--lr", "1e-2",
-                   "--scan", "--out-dir", str(out))
+  third = zjax_cli(
+    "train",
+    *TINY,
+    "--steps",
+    "10",
+    "--devices",
+    "2",
+    "--lr",
+    "1e-2",
+    "--scan",
+    "--out-dir",
+    str(out),
+  )
   assert third.returncode == 0, third.stderr[-3000:]
   assert "already complete: step 10 of 10" in third.stdout
   assert (out / "metrics.json").read_text() == finished
@@ -81,9 +142,23 @@ def test_train_end_to_end_then_resume_on_other_devices_scanned(tmp_path):
 
 
 def test_train_unrolled_in_bf16_with_quantized_communication_and_offload(tmp_path):
-  done = zjax_cli("train", *TINY, "--steps", "3", "--devices", "8", "--precision", "bf16",
-                  "--gather-quantization", "int8", "--reduce-quantization", "int4",
-                  "--offload-optimizer", "--out-dir", str(tmp_path / "run"))
+  done = zjax_cli(
+    "train",
+    *TINY,
+    "--steps",
+    "3",
+    "--devices",
+    "8",
+    "--precision",
+    "bf16",
+    "--gather-quantization",
+    "int8",
+    "--reduce-quantization",
+    "int4",
+    "--offload-optimizer",
+    "--out-dir",
+    str(tmp_path / "run"),
+  )
   assert done.returncode == 0, done.stderr[-3000:]
   metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
   assert metrics["settings"]["precision"] == "bf16" and len(metrics["train"]) == 3
@@ -102,23 +177,33 @@ def test_train_tensor_parallel_then_resume_without_it(tmp_path):
   schedule's, the tensor axis's are GSPMD's; the checkpoint resumes on 2 devices without
   tensor parallelism (the vocab is padded the same way for any T)."""
   out = tmp_path / "run"
-  first = zjax_cli("train", *TINY, "--steps", "4", "--tensor-parallel", "2", "--lr", "1e-2",
-                   "--out-dir", str(out))
+  first = zjax_cli(
+    "train", *TINY, "--steps", "4", "--tensor-parallel", "2", "--lr", "1e-2", "--out-dir", str(out)
+  )
   assert first.returncode == 0, first.stderr[-3000:]
   assert "8 devices (4-way ZeRO-3 x 2-way tensor parallel)" in first.stdout
   summary = json.loads((out / "metrics.json").read_text())["summary"]
   assert summary["data_axis_collective_bytes"] == summary["schedule_collective_bytes"] > 0
   measured, estimated = (summary[f"tensor_axis_{k}_bytes"] for k in ("collective", "estimated"))
   assert measured > 0 and abs(estimated - measured) <= 0.1 * measured, (estimated, measured)
-  second = zjax_cli("train", *TINY, "--steps", "6", "--devices", "2", "--lr", "1e-2",
-                    "--out-dir", str(out))
+  second = zjax_cli(
+    "train", *TINY, "--steps", "6", "--devices", "2", "--lr", "1e-2", "--out-dir", str(out)
+  )
   assert second.returncode == 0, second.stderr[-3000:]
-  assert "resumed from step 4" in second.stdout and "saved on 8 device(s), now 2" in \
-      second.stdout
+  assert "resumed from step 4" in second.stdout and "saved on 8 device(s), now 2" in second.stdout
   losses = [row["loss"] for row in json.loads((out / "metrics.json").read_text())["train"]]
   assert len(losses) == 6 and losses[-1] < losses[0] - 0.5
-  scanned = zjax_cli("train", *TINY, "--steps", "2", "--tensor-parallel", "2", "--scan",
-                     "--out-dir", str(tmp_path / "scanned"))  # nn.scan blocks, split too
+  scanned = zjax_cli(
+    "train",
+    *TINY,
+    "--steps",
+    "2",
+    "--tensor-parallel",
+    "2",
+    "--scan",
+    "--out-dir",
+    str(tmp_path / "scanned"),
+  )  # nn.scan blocks, split too
   assert scanned.returncode == 0, scanned.stderr[-3000:]
   summary = json.loads((tmp_path / "scanned" / "metrics.json").read_text())["summary"]
   assert summary["data_axis_collective_bytes"] == summary["schedule_collective_bytes"] > 0
@@ -129,8 +214,18 @@ def test_skipped_steps_are_printed_counted_and_too_many_stop_the_run(tmp_path):
   """A learning rate that makes the loss overflow: every skipped step is a line; after 3
   in a row the run saves the last good state and exits 1 saying what to check."""
   out = tmp_path / "run"
-  done = zjax_cli("train", *TINY, "--steps", "12", "--lr", "1e9", "--max-consecutive-skips",
-                  "3", "--out-dir", str(out))
+  done = zjax_cli(
+    "train",
+    *TINY,
+    "--steps",
+    "12",
+    "--lr",
+    "1e9",
+    "--max-consecutive-skips",
+    "3",
+    "--out-dir",
+    str(out),
+  )
   assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
   skipped = re.findall(r"step (\d+): skipped \(loss (\S+), gradient norm", done.stdout)
   assert len(skipped) == 3, done.stdout[-3000:]
@@ -149,13 +244,16 @@ def zjax_cli_checkpoints(out):
 def test_resume_with_another_model_fails_clearly(tmp_path):
   """Scanned and unrolled layers are different parameter trees: no silent mix-up."""
   out = str(tmp_path / "run")
-  assert zjax_cli("train", *TINY, "--steps", "1", "--devices", "2", "--out-dir",
-                  out).returncode == 0
+  assert (
+    zjax_cli("train", *TINY, "--steps", "1", "--devices", "2", "--out-dir", out).returncode == 0
+  )
   done = zjax_cli("train", *TINY, "--steps", "2", "--devices", "2", "--scan", "--out-dir", out)
   assert done.returncode == 2 and "saved from a different model" in done.stderr
 
 
-@pytest.mark.parametrize("args, message", [
+@pytest.mark.parametrize(
+  "args, message",
+  [
     (["--config", "/no/such/file.toml"], "does not exist"),
     (["--bogus-option", "3"], "unrecognized arguments: --bogus-option"),
     (["--batch", "12", "--devices", "8"], "not divisible by the 8 data-parallel devices"),
@@ -167,7 +265,8 @@ def test_resume_with_another_model_fails_clearly(tmp_path):
     (["--reduce-quantization", "int2"], "invalid choice: 'int2'"),
     (["--quantization-block", "0"], "quantization_block must be a positive integer"),
     (["--offload-params"], "offload_params needs offload_optimizer"),
-])
+  ],
+)
 def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, args, message):
   done = zjax_cli("train", *args, cwd=tmp_path)
   assert done.returncode == 2
@@ -176,10 +275,13 @@ def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, args, message):
   assert list(tmp_path.iterdir()) == []  # nothing written
 
 
-@pytest.mark.parametrize("text, message", [
-    ('steps = 5\nlearning_rate = 0.1\n', "unknown setting(s) ['learning_rate']"),
+@pytest.mark.parametrize(
+  "text, message",
+  [
+    ("steps = 5\nlearning_rate = 0.1\n", "unknown setting(s) ['learning_rate']"),
     ('gather_quantization = "int4"\n', "gather_quantization must be one of ['none', 'int8']"),
-])
+  ],
+)
 def test_config_file_with_an_unknown_key_or_value(tmp_path, text, message):
   config = tmp_path / "run.toml"
   config.write_text(text)

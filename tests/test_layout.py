@@ -4,28 +4,38 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import mesh_of
 
 import zjax
+from helpers import mesh_of
 
 PARAMS = {
-    "odd": np.arange(257 * 3, dtype=np.float32).reshape(257, 3),
-    "scalar": np.float32(3.5),
-    "empty": np.zeros((0, 5), np.float32),
-    "ids": np.arange(40, dtype=np.int32),
-    "half": (np.arange(100) / 7).astype(jnp.bfloat16),
-    "small": np.ones(3, np.float32),
+  "odd": np.arange(257 * 3, dtype=np.float32).reshape(257, 3),
+  "scalar": np.float32(3.5),
+  "empty": np.zeros((0, 5), np.float32),
+  "ids": np.arange(40, dtype=np.int32),
+  "half": (np.arange(100) / 7).astype(jnp.bfloat16),
+  "small": np.ones(3, np.float32),
 }
 
 
 def loss(p, x):
-  return (x @ p["odd"].T).sum() * p["scalar"] + p["empty"].sum() + p["ids"].sum() \
-      + p["half"].astype(jnp.float32).sum() + p["small"].sum()
+  return (
+    (x @ p["odd"].T).sum() * p["scalar"]
+    + p["empty"].sum()
+    + p["ids"].sum()
+    + p["half"].astype(jnp.float32).sum()
+    + p["small"].sum()
+  )
 
 
 def schedule_for(n, threshold=0):
-  return zjax.compile_schedule(loss, PARAMS, jnp.ones((8, 3)), num_devices=n,
-                               config=zjax.ZeroConfig(param_persistence_threshold=threshold))
+  return zjax.compile_schedule(
+    loss,
+    PARAMS,
+    jnp.ones((8, 3)),
+    num_devices=n,
+    config=zjax.ZeroConfig(param_persistence_threshold=threshold),
+  )
 
 
 @pytest.mark.parametrize("n", [8, 4, 1])

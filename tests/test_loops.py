@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_parity, assert_trees_close, mesh_of, run_zjax
 
 import zjax
+from helpers import assert_parity, assert_trees_close, mesh_of, run_zjax
 from zjax._src import hlo, ir, layout
 
 D = 64
@@ -26,9 +26,11 @@ def scan_stack(num_layers=4, d=D, reverse=False, seed=0):
   """A hand-written lax.scan over stacked (w, b), a shared weight as a scan const, an
   integer counter in the carry and a per-layer scale as a non-parameter xs."""
   k = jax.random.split(jax.random.key(seed), 4)
-  params = {"w": jax.random.normal(k[0], (num_layers, d, d)) / np.sqrt(d),
-            "b": jax.random.normal(k[1], (num_layers, d)) * 0.1,
-            "shared": jax.random.normal(k[2], (d, d)) / np.sqrt(d)}
+  params = {
+    "w": jax.random.normal(k[0], (num_layers, d, d)) / np.sqrt(d),
+    "b": jax.random.normal(k[1], (num_layers, d)) * 0.1,
+    "shared": jax.random.normal(k[2], (d, d)) / np.sqrt(d),
+  }
   batch = {"x": jax.random.normal(k[3], (16, d))}
 
   def loss(p, b):
@@ -40,9 +42,8 @@ def scan_stack(num_layers=4, d=D, reverse=False, seed=0):
       x = jnp.tanh(x @ w + bias) * scale + 0.1 * jnp.tanh(x @ p["shared"])
       return (x, count + 1), jnp.mean(x)
 
-    (x, count), means = jax.lax.scan(body, (b["x"], 0), (p["w"], p["b"], scales),
-                                     reverse=reverse)
-    return jnp.mean(x ** 2) + jnp.mean(means) + 0.0 * count
+    (x, count), means = jax.lax.scan(body, (b["x"], 0), (p["w"], p["b"], scales), reverse=reverse)
+    return jnp.mean(x**2) + jnp.mean(means) + 0.0 * count
 
   return loss, params, batch
 
@@ -59,8 +60,9 @@ def test_lax_scan_stack_parity(n, config):
   assert not schedule.param("['shared']").stacked  # a const: gathered once, before the loop
   loops = loop_steps(schedule)
   assert [st.length for st in loops] == [4, 4]
-  assert all(g.prefetch == (config is PREFETCH) for st in loops for g in st.body
-             if g.op == "gather")
+  assert all(
+    g.prefetch == (config is PREFETCH) for st in loops for g in st.body if g.op == "gather"
+  )
 
 
 def test_a_scan_reading_a_float_no_parameter_reaches_through_a_while_loop():
@@ -74,11 +76,13 @@ def test_a_scan_reading_a_float_no_parameter_reaches_through_a_while_loop():
 
   def loss(p, b):
     def body(x, w):
-      halved = jax.lax.while_loop(lambda c: c[1] > 0.3, lambda c: (c[0] + 1, c[1] / 2),
-                                  (0, b["t"]))[1]
+      halved = jax.lax.while_loop(
+        lambda c: c[1] > 0.3, lambda c: (c[0] + 1, c[1] / 2), (0, b["t"])
+      )[1]
       return jnp.tanh(x @ w) * halved + x, None
+
     x, _ = jax.lax.scan(body, b["x"], p["w"])
-    return jnp.mean(x ** 2)
+    return jnp.mean(x**2)
 
   schedule, _ = assert_parity(loss, params, batch, config=PREFETCH)
   assert [st.length for st in loop_steps(schedule)] == [num_layers, num_layers]
@@ -110,7 +114,7 @@ def indexed_stack(kind):
       x = jax.lax.scan(lambda x, i: (layer(p, i, x), None), x, jnp.arange(4), reverse=True)[0]
     else:
       x = jax.lax.fori_loop(0, 4, lambda i, x: layer(p, (i + 1) % 4, x), x)
-    return jnp.mean(x ** 2)
+    return jnp.mean(x**2)
 
   return loss, params, x
 
@@ -129,8 +133,10 @@ def test_consts_indexed_by_the_iteration(kind, config):
 
 def gpt_scan_setup(n_layer=3, remat=False):
   from gpt import GPT, GPTConfig, make_loss_fn
-  cfg = GPTConfig(d_model=64, n_layer=n_layer, n_head=4, d_ff=128, seq_len=16,
-                  scan_layers=True, remat=remat)
+
+  cfg = GPTConfig(
+    d_model=64, n_layer=n_layer, n_head=4, d_ff=128, seq_len=16, scan_layers=True, remat=remat
+  )
   model = GPT(cfg)
   tokens = jax.random.randint(jax.random.key(0), (8, cfg.seq_len + 1), 0, cfg.vocab_size)
   params = model.init(jax.random.key(1), tokens[:, :-1])
@@ -151,13 +157,19 @@ def test_linen_nn_scan_gpt_parity(remat):
 
 def test_scanned_gpt_trains_like_optax():
   from test_train import assert_training_parity, same_batch
+
   loss, params, batch = gpt_scan_setup()
   # eps=1e-5 as in test_hsdp.py: gradients agree to 6e-8 (max 0.08), but at eps=1e-6 Adam
   # turned that into 6.7e-5 on one embedding element after 5 steps on some CPUs (measured
   # 2026-12-02; 1.4e-5 at eps=1e-5)
-  _, state, _ = assert_training_parity(loss, optax.adamw(1e-2, eps=1e-5), params,
-                                       same_batch(batch, 5), param_atol=5e-5,
-                                       config=GPT_CONFIG)
+  _, state, _ = assert_training_parity(
+    loss,
+    optax.adamw(1e-2, eps=1e-5),
+    params,
+    same_batch(batch, 5),
+    param_atol=5e-5,
+    config=GPT_CONFIG,
+  )
   assert int(state.step) == 5
 
 
@@ -184,16 +196,20 @@ def test_fori_loop_gathers_the_shared_layer_once():
 
 def cond_model():
   k = jax.random.split(jax.random.key(4), 4)
-  params = {"a": jax.random.normal(k[0], (D, D)) / 8, "b": jax.random.normal(k[1], (D, D)) / 8,
-            "c": jax.random.normal(k[2], (D, D)) / 8}
+  params = {
+    "a": jax.random.normal(k[0], (D, D)) / 8,
+    "b": jax.random.normal(k[1], (D, D)) / 8,
+    "c": jax.random.normal(k[2], (D, D)) / 8,
+  }
 
   def loss(p, batch):
     x = batch["x"]
     pick = (jnp.sum(x) > 0).astype(jnp.int32)  # data-dependent: differs between devices
     y = jax.lax.cond(pick, lambda x: jnp.tanh(x @ p["a"]), lambda x: jnp.tanh(x @ p["b"]), x)
-    z = jax.lax.switch(jnp.clip(pick + batch["mode"], 0, 2),
-                       [lambda y: y, lambda y: y @ p["c"], lambda y: -y], y)
-    return jnp.mean(z ** 2)
+    z = jax.lax.switch(
+      jnp.clip(pick + batch["mode"], 0, 2), [lambda y: y, lambda y: y @ p["c"], lambda y: -y], y
+    )
+    return jnp.mean(z**2)
 
   # rows of opposite sign per device pair: half of the 8 devices take each branch
   rows = jax.random.normal(k[3], (16, D))
@@ -206,11 +222,14 @@ def per_device_reference(loss_fn, params, batch, n):
   """What data parallelism means when devices branch differently: the mean over devices of
   each device's loss and gradient on its own rows."""
   rows = batch["x"].shape[0] // n
-  parts = [jax.value_and_grad(loss_fn)(params, dict(batch, x=batch["x"][d * rows:(d + 1) *
-                                                                       rows]))
-           for d in range(n)]
-  return (np.mean([float(loss) for loss, _ in parts]),
-          jax.tree.map(lambda *g: sum(g) / n, *[g for _, g in parts]))
+  parts = [
+    jax.value_and_grad(loss_fn)(params, dict(batch, x=batch["x"][d * rows : (d + 1) * rows]))
+    for d in range(n)
+  ]
+  return (
+    np.mean([float(loss) for loss, _ in parts]),
+    jax.tree.map(lambda *g: sum(g) / n, *[g for _, g in parts]),
+  )
 
 
 @pytest.mark.parametrize("n", [8, 2])
@@ -220,7 +239,8 @@ def test_cond_and_switch_gather_outside_the_branches(n):
   per-device reference."""
   loss, params, batch = cond_model()
   schedule, loss_value, grads, compiled = run_zjax(
-      loss, params, batch, n=n, config=zjax.ZeroConfig(param_persistence_threshold=0))
+    loss, params, batch, n=n, config=zjax.ZeroConfig(param_persistence_threshold=0)
+  )
   ref_loss, ref_grads = per_device_reference(loss, params, batch, n)
   np.testing.assert_allclose(loss_value, ref_loss, rtol=1e-5)
   assert_trees_close(grads, ref_grads)
@@ -239,13 +259,15 @@ def test_cond_parity_with_plain_jax_when_all_devices_agree():
 def test_untaken_branch_gets_zero_gradient():
   loss, params, batch = cond_model()
   batch = dict(batch, x=jnp.abs(batch["x"]))  # every device takes branch "a", then "c"
-  _, _, grads, _ = run_zjax(loss, params, batch,
-                            config=zjax.ZeroConfig(param_persistence_threshold=0))
+  _, _, grads, _ = run_zjax(
+    loss, params, batch, config=zjax.ZeroConfig(param_persistence_threshold=0)
+  )
   assert float(jnp.max(jnp.abs(grads["b"]))) == 0.0
   assert float(jnp.max(jnp.abs(grads["a"]))) > 0.0
 
 
 # ---- the compiled program against the schedule ------------------------------------------
+
 
 @pytest.mark.parametrize("config", [PREFETCH, NO_PREFETCH], ids=["prefetch", "no-prefetch"])
 def test_while_bodies_hold_the_per_iteration_collectives(config):
@@ -258,10 +280,21 @@ def test_while_bodies_hold_the_per_iteration_collectives(config):
       in_bodies.setdefault(c.computation, []).append(c)
   prefetch = config is PREFETCH
   expected = sorted(
-      (loop["length"] - prefetch, loop["all_gather_count_per_iteration"],
-       loop["reduce_scatter_count_per_iteration"]) for loop in report["loops"])
-  found = sorted((loops[body], sum(c.kind == "all_gather" for c in cs),
-                  sum(c.kind == "reduce_scatter" for c in cs)) for body, cs in in_bodies.items())
+    (
+      loop["length"] - prefetch,
+      loop["all_gather_count_per_iteration"],
+      loop["reduce_scatter_count_per_iteration"],
+    )
+    for loop in report["loops"]
+  )
+  found = sorted(
+    (
+      loops[body],
+      sum(c.kind == "all_gather" for c in cs),
+      sum(c.kind == "reduce_scatter" for c in cs),
+    )
+    for body, cs in in_bodies.items()
+  )
   assert found == expected
   executed = hlo.executed(text)
   for kind in ("all_gather", "reduce_scatter"):
@@ -274,8 +307,10 @@ def test_gpt_scan_collectives_equal_the_report():
   executed, report = hlo.executed(compiled.as_text()), schedule.report()
   assert len(report["loops"]) == 2
   for kind in ("all_gather", "reduce_scatter"):
-    assert (executed[f"{kind}_count"], executed[f"{kind}_bytes"]) == \
-        (report[f"{kind}_count"], report[f"{kind}_bytes"]), kind
+    assert (executed[f"{kind}_count"], executed[f"{kind}_bytes"]) == (
+      report[f"{kind}_count"],
+      report[f"{kind}_bytes"],
+    ), kind
 
 
 def scans_with_integer_leaves(num_layers=4, d=16):
@@ -284,10 +319,16 @@ def scans_with_integer_leaves(num_layers=4, d=16):
   permutation of the features) is (its vjp scatters through it)."""
   k = jax.random.split(jax.random.key(3), 3)
   perms = jnp.stack([jax.random.permutation(jax.random.key(i), d) for i in range(num_layers)])
-  params = {"a": {"w": jax.random.normal(k[0], (num_layers, d, d)) / np.sqrt(d),
-                  "offset": jnp.arange(num_layers * d, dtype=jnp.int32).reshape(num_layers, d)},
-            "b": {"w": jax.random.normal(k[1], (num_layers, d, d)) / np.sqrt(d),
-                  "perm": perms.astype(jnp.int32)}}
+  params = {
+    "a": {
+      "w": jax.random.normal(k[0], (num_layers, d, d)) / np.sqrt(d),
+      "offset": jnp.arange(num_layers * d, dtype=jnp.int32).reshape(num_layers, d),
+    },
+    "b": {
+      "w": jax.random.normal(k[1], (num_layers, d, d)) / np.sqrt(d),
+      "perm": perms.astype(jnp.int32),
+    },
+  }
 
   def loss(p, b):
     def first(x, layer):
@@ -300,14 +341,17 @@ def scans_with_integer_leaves(num_layers=4, d=16):
 
     x = jax.lax.scan(first, b["x"], (p["a"]["w"], p["a"]["offset"]))[0]
     x = jax.lax.scan(second, x, (p["b"]["w"], p["b"]["perm"]))[0]
-    return jnp.mean(x ** 2)
+    return jnp.mean(x**2)
 
   return loss, params, {"x": jax.random.normal(k[2], (16, d))}
 
 
 def _backward_loop_dtypes(schedule):
-  return [sorted(schedule.buckets[st.bucket].dtype for st in loop.body if st.op == "gather")
-          for loop in schedule.backward if loop.op == ir.LOOP_OP]
+  return [
+    sorted(schedule.buckets[st.bucket].dtype for st in loop.body if st.op == "gather")
+    for loop in schedule.backward
+    if loop.op == ir.LOOP_OP
+  ]
 
 
 @pytest.mark.parametrize("n", [8, 2])
@@ -322,15 +366,18 @@ def test_scan_leaves_out_re_gathers_the_backward_does_not_read(n):
   assert _backward_loop_dtypes(schedule) == [["float32", "int32"], ["float32"]]
   report, executed = schedule.report(), hlo.executed(compiled.as_text())
   for kind in ("all_gather", "reduce_scatter"):
-    assert (executed[f"{kind}_count"], executed[f"{kind}_bytes"]) == \
-        (report[f"{kind}_count"], report[f"{kind}_bytes"]), kind
+    assert (executed[f"{kind}_count"], executed[f"{kind}_bytes"]) == (
+      report[f"{kind}_count"],
+      report[f"{kind}_bytes"],
+    ), kind
 
 
 def test_a_scan_body_missing_a_re_gather_its_backward_reads_is_refused():
   loss, params, batch = scans_with_integer_leaves()
   mesh = mesh_of(8)
-  s = zjax.compile_schedule(loss, params, batch, mesh=mesh,
-                            config=zjax.ZeroConfig(param_persistence_threshold=0))
+  s = zjax.compile_schedule(
+    loss, params, batch, mesh=mesh, config=zjax.ZeroConfig(param_persistence_threshold=0)
+  )
   data = s.to_dict()
   loop = next(st for st in data["backward"] if st["op"] == "loop")  # the second scan's
   ints = {b["id"] for b in data["buckets"] if b["dtype"] == "int32"}
@@ -353,7 +400,7 @@ def deep_scan(num_layers):
 
   def loss(p, x):
     x, _ = jax.lax.scan(lambda x, w: (jnp.tanh(x @ w), None), x, p["w"])
-    return jnp.mean(x ** 2)
+    return jnp.mean(x**2)
 
   return loss, params, jax.ShapeDtypeStruct((BATCH * 8, W_D), jnp.float32)
 
@@ -364,7 +411,8 @@ def compiled_step(num_layers, config):
   schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=config)
   step = zjax.value_and_grad(loss, schedule, mesh=mesh)
   return schedule, zjax.hlo.compile_for_analysis(
-      step.lower(_abstract_shards(schedule, mesh), batch))
+    step.lower(_abstract_shards(schedule, mesh), batch)
+  )
 
 
 def _abstract_shards(schedule, mesh):
@@ -377,8 +425,9 @@ def test_temp_memory_grows_only_by_the_saved_activations(config):
   the layer boundary: backward recomputes the layer from it) and G, the gathered weights
   and one layer's work, does not depend on L. Check the growth from L=8 to L=32 is A per
   layer (within 5%), and G within 3 one-layer weights W1 (with prefetch: two layers live)."""
-  config = zjax.ZeroConfig(param_persistence_threshold=0,
-                           prefetch_bucket_size=config.prefetch_bucket_size)
+  config = zjax.ZeroConfig(
+    param_persistence_threshold=0, prefetch_bucket_size=config.prefetch_bucket_size
+  )
   t8 = compiled_step(8, config)[1].memory_analysis().temp_size_in_bytes
   t32 = compiled_step(32, config)[1].memory_analysis().temp_size_in_bytes
   activation = BATCH * W_D * 4
@@ -416,8 +465,12 @@ def test_loop_step_json_round_trip_and_edits_are_checked():
 
 
 def test_version_1_files_still_load():
-  s = zjax.compile_schedule(lambda p, x: jnp.mean(x @ p["w"]), {"w": jnp.ones((512, 512))},
-                            jnp.ones((8, 512)), num_devices=8)
+  s = zjax.compile_schedule(
+    lambda p, x: jnp.mean(x @ p["w"]),
+    {"w": jnp.ones((512, 512))},
+    jnp.ones((8, 512)),
+    num_devices=8,
+  )
   data = s.to_dict()
   data["version"] = 1
   for p in data["params"]:
@@ -446,11 +499,16 @@ def test_adamw_state_is_per_layer_sharded():
 def test_compile_time_script_runs():
   """examples/depth_compile_time.py at tiny size (structure only, never speed)."""
   root = pathlib.Path(__file__).resolve().parents[1]
-  done = subprocess.run([sys.executable, "depth_compile_time.py", "--layers", "1", "2",
-                         "--d-model", "32"], cwd=root / "examples", capture_output=True,
-                        text=True, timeout=600)
+  done = subprocess.run(
+    [sys.executable, "depth_compile_time.py", "--layers", "1", "2", "--d-model", "32"],
+    cwd=root / "examples",
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert done.returncode == 0, done.stderr[-2000:]
   rows = [r.split() for r in done.stdout.splitlines()[2:]]
-  assert [(r[0], r[1]) for r in rows] == [(str(n), v) for n in (1, 2) for v in
-                                          ("rolled", "unrolled", "scanned", "gspmd")]
+  assert [(r[0], r[1]) for r in rows] == [
+    (str(n), v) for n in (1, 2) for v in ("rolled", "unrolled", "scanned", "gspmd")
+  ]
   assert all(len(r) == 7 for r in rows)

@@ -5,18 +5,23 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import mesh_of, mlp
-from test_train import SHARD_ALL, assert_training_parity, same_batch
 
 import zjax
+from helpers import mesh_of, mlp
+from test_train import SHARD_ALL, assert_training_parity, same_batch
 from zjax._src import optcheck
 
 
 def _schedule(n=8, layers=4):
   loss, params, batch = mlp(num_layers=layers)
   mesh = mesh_of(n)
-  return loss, params, batch, mesh, zjax.compile_schedule(loss, params, batch, mesh=mesh,
-                                                          config=SHARD_ALL)
+  return (
+    loss,
+    params,
+    batch,
+    mesh,
+    zjax.compile_schedule(loss, params, batch, mesh=mesh, config=SHARD_ALL),
+  )
 
 
 def test_one_representative_per_distinct_shape_and_layout():
@@ -47,7 +52,9 @@ def test_refusal_is_cached_and_names_the_parameter():
   loss, params, _, mesh, schedule = _schedule()
   muon = optax.contrib.muon(1e-2)
   for _ in range(2):
-    with pytest.raises(zjax.ZjaxError, match=r"not shard-compatible.*\['layer0'\]\['(kernel|bias)'\]"):
+    with pytest.raises(
+      zjax.ZjaxError, match=r"not shard-compatible.*\['layer0'\]\['(kernel|bias)'\]"
+    ):
       zjax.zero3(loss, muon, schedule, mesh=mesh).init(params)
 
 
@@ -59,8 +66,9 @@ def test_label_pytree_falls_back_to_the_whole_tree():
   opt = optax.multi_transform({"adam": optax.adam(1e-2), "sgd": optax.sgd(1e-2)}, labels)
   assert_training_parity(loss, opt, params, same_batch(batch, 3))
   labels["layer2"]["kernel"] = "muon"
-  bad = optax.multi_transform({"adam": optax.adam(1e-2), "sgd": optax.sgd(1e-2),
-                               "muon": optax.contrib.muon(1e-2)}, labels)
+  bad = optax.multi_transform(
+    {"adam": optax.adam(1e-2), "sgd": optax.sgd(1e-2), "muon": optax.contrib.muon(1e-2)}, labels
+  )
   mesh = mesh_of(8)
   schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=SHARD_ALL)
   with pytest.raises(zjax.ZjaxError, match=r"\['layer2'\]\['kernel'\]"):
@@ -69,8 +77,7 @@ def test_label_pytree_falls_back_to_the_whole_tree():
 
 def test_probe_leaves_are_sharded_over_the_mesh():
   *_, mesh, schedule = _schedule()
-  auto = jax.sharding.Mesh(mesh.devices, mesh.axis_names,
-                           axis_types=(jax.sharding.AxisType.Auto,))
+  auto = jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,))
   leaves = optcheck._random_leaves(list(schedule.params), schedule, auto, 0)
   kernel = leaves[1]
   assert kernel.shape == (64, 64)

@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ATOL, RTOL, assert_trees_close, mesh_of, run_zjax
-from real_models import bert, gspmd_fsdp_temp, llama
 
 import zjax
+from helpers import ATOL, RTOL, assert_trees_close, mesh_of, run_zjax
+from real_models import bert, gspmd_fsdp_temp, llama
 
 MODELS = {"llama": llama, "bert": bert}
 RELEASE_EVERY_USE = zjax.ZeroConfig(max_reuse_distance=0)
@@ -26,8 +26,7 @@ RELEASE_EVERY_USE = zjax.ZeroConfig(max_reuse_distance=0)
 
 def compile_zjax(case, n, config):
   mesh = mesh_of(n)
-  schedule = zjax.compile_schedule(case.loss_fn, case.params, case.batch, mesh=mesh,
-                                   config=config)
+  schedule = zjax.compile_schedule(case.loss_fn, case.params, case.batch, mesh=mesh, config=config)
   step = zjax.value_and_grad(case.loss_fn, schedule, mesh=mesh)
   return schedule, step, zjax.shard(case.params, schedule, mesh)
 
@@ -48,15 +47,19 @@ def test_gradients_match_with_every_parameter_persistent(model, n):
   assert_trees_close(zjax.unshard(grads, schedule), ref_grads, rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("config", [zjax.ZeroConfig(), RELEASE_EVERY_USE],
-                         ids=["defaults", "release-every-use"])
+@pytest.mark.parametrize(
+  "config", [zjax.ZeroConfig(), RELEASE_EVERY_USE], ids=["defaults", "release-every-use"]
+)
 def test_one_all_reduce_per_module_and_temp_at_most_gspmd(model, config):
   name, case, _ = model
   schedule, step, sharded = compile_zjax(case, 8, config)
   program = zjax.hlo.compile_for_analysis(step.lower(sharded, case.batch))
   report = schedule.report()
-  gradients = [c for c in zjax.hlo.collectives(program.as_text())
-               if c.kind == "all_reduce" and c.shape != "f32[]"]  # (not the loss)
+  gradients = [
+    c
+    for c in zjax.hlo.collectives(program.as_text())
+    if c.kind == "all_reduce" and c.shape != "f32[]"
+  ]  # (not the loss)
   assert report["persistent_grad_all_reduce_count"] > 10, name  # module by module
   assert len(gradients) == report["persistent_grad_all_reduce_count"], name
   expected = report["persistent_grad_all_reduce_bytes"]  # (+ the loss's scalar, which XLA
@@ -82,11 +85,15 @@ def odd_model(d=32, vocab=48):
   """Tied embedding (read first and last), an unused leaf, an empty leaf, a bf16 scale and
   a frozen-by-dtype integer leaf, all persistent under the defaults."""
   k = jax.random.split(jax.random.key(31), 4)
-  params = {"embed": jax.random.normal(k[0], (vocab, d)) * 0.1,
-            "w1": jax.random.normal(k[1], (d, d)) / np.sqrt(d),
-            "w2": jax.random.normal(k[2], (d, d)) / np.sqrt(d),
-            "unused": jnp.ones((d, d)), "empty": jnp.zeros((0, d)),
-            "scale": jnp.ones((d,), jnp.bfloat16), "step": jnp.int32(3)}
+  params = {
+    "embed": jax.random.normal(k[0], (vocab, d)) * 0.1,
+    "w1": jax.random.normal(k[1], (d, d)) / np.sqrt(d),
+    "w2": jax.random.normal(k[2], (d, d)) / np.sqrt(d),
+    "unused": jnp.ones((d, d)),
+    "empty": jnp.zeros((0, d)),
+    "scale": jnp.ones((d,), jnp.bfloat16),
+    "step": jnp.int32(3),
+  }
   tokens = jax.random.randint(k[3], (16, 9), 0, vocab)
 
   def loss(p, b):
@@ -107,11 +114,15 @@ def test_tied_unused_empty_and_mixed_dtype_leaves(n):
   assert_trees_close(loss, ref_loss, rtol=RTOL, atol=0)
   for key in ("embed", "w1", "w2", "unused", "empty"):
     assert_trees_close(grads[key], ref_grads[key], rtol=RTOL, atol=ATOL)
-  assert_trees_close(grads["scale"].astype(jnp.float32),
-                     ref_grads["scale"].astype(jnp.float32), rtol=1e-2, atol=1e-2)  # bf16
+  assert_trees_close(
+    grads["scale"].astype(jnp.float32), ref_grads["scale"].astype(jnp.float32), rtol=1e-2, atol=1e-2
+  )  # bf16
   report = schedule.report()
-  gradients = [c for c in zjax.hlo.collectives(program.as_text())
-               if c.kind == "all_reduce" and c.shape != "f32[]"]
+  gradients = [
+    c
+    for c in zjax.hlo.collectives(program.as_text())
+    if c.kind == "all_reduce" and c.shape != "f32[]"
+  ]
   assert len(gradients) == report["persistent_grad_all_reduce_count"] >= 1
   expected = report["persistent_grad_all_reduce_bytes"]
   assert expected <= sum(c.bytes for c in gradients) <= expected + 4

@@ -12,8 +12,13 @@ KERNEL = D * D
 
 def mlp(num_layers=4, dtype=jnp.float32):
   """Params (as shapes) of an MLP: kernel (D*D) + bias (D) per layer."""
-  params = {f"layer{i}": {"kernel": jax.ShapeDtypeStruct((D, D), dtype),
-                          "bias": jax.ShapeDtypeStruct((D,), dtype)} for i in range(num_layers)}
+  params = {
+    f"layer{i}": {
+      "kernel": jax.ShapeDtypeStruct((D, D), dtype),
+      "bias": jax.ShapeDtypeStruct((D,), dtype),
+    }
+    for i in range(num_layers)
+  }
 
   def loss(p, x):
     for i in range(num_layers):
@@ -27,8 +32,9 @@ def plan(model=None, n=8, platform=None, **knobs):
   knobs.setdefault("param_persistence_threshold", D)  # biases replicated, kernels sharded
   knobs.setdefault("roll_layers", False)  # the unrolled planner (rolling: test_rolling.py)
   loss, params, batch = model or mlp()
-  return zjax.compile_schedule(loss, params, batch, num_devices=n, platform=platform,
-                               config=zjax.ZeroConfig(**knobs))
+  return zjax.compile_schedule(
+    loss, params, batch, num_devices=n, platform=platform, config=zjax.ZeroConfig(**knobs)
+  )
 
 
 def ops(steps, op):
@@ -51,11 +57,20 @@ def test_buckets_group_by_module_in_first_use_order():
 
 
 def test_buckets_hold_one_dtype():
-  params = {"m": {"w": jax.ShapeDtypeStruct((D, D), jnp.float32),
-                  "v": jax.ShapeDtypeStruct((D, D), jnp.bfloat16)}}
+  params = {
+    "m": {
+      "w": jax.ShapeDtypeStruct((D, D), jnp.float32),
+      "v": jax.ShapeDtypeStruct((D, D), jnp.bfloat16),
+    }
+  }
   loss = lambda p, x: (x @ p["m"]["w"] + (x.astype(jnp.bfloat16) @ p["m"]["v"])).mean()
-  s = zjax.compile_schedule(loss, params, jax.ShapeDtypeStruct((8, D), jnp.float32),
-                            num_devices=8, config=zjax.ZeroConfig(param_persistence_threshold=0))
+  s = zjax.compile_schedule(
+    loss,
+    params,
+    jax.ShapeDtypeStruct((8, D), jnp.float32),
+    num_devices=8,
+    config=zjax.ZeroConfig(param_persistence_threshold=0),
+  )
   assert sorted(b.dtype for b in s.buckets) == ["bfloat16", "float32"]
   assert all(b.module == "m" for b in s.buckets)
 
@@ -115,12 +130,19 @@ def test_huge_persistence_threshold_means_nothing_gathered():
 
 
 def test_persistence_threshold_zero_shards_every_nonempty_param():
-  params = {"w": jax.ShapeDtypeStruct((D, D), jnp.float32),
-            "s": jax.ShapeDtypeStruct((), jnp.float32),
-            "e": jax.ShapeDtypeStruct((0, 3), jnp.float32)}
+  params = {
+    "w": jax.ShapeDtypeStruct((D, D), jnp.float32),
+    "s": jax.ShapeDtypeStruct((), jnp.float32),
+    "e": jax.ShapeDtypeStruct((0, 3), jnp.float32),
+  }
   loss = lambda p, x: (x @ p["w"] * p["s"]).mean() + p["e"].sum()
-  s = zjax.compile_schedule(loss, params, jax.ShapeDtypeStruct((8, D), jnp.float32),
-                            num_devices=8, config=zjax.ZeroConfig(param_persistence_threshold=0))
+  s = zjax.compile_schedule(
+    loss,
+    params,
+    jax.ShapeDtypeStruct((8, D), jnp.float32),
+    num_devices=8,
+    config=zjax.ZeroConfig(param_persistence_threshold=0),
+  )
   by_path = {p.path: p for p in s.params}
   assert not by_path["['w']"].persistent and not by_path["['s']"].persistent
   assert by_path["['e']"].persistent  # zero-sized: nothing to shard
@@ -143,8 +165,10 @@ def test_max_reuse_distance_controls_backward_regathers():
 
 
 def test_reuse_distance_for_tied_weights():
-  params = {"emb": jax.ShapeDtypeStruct((D, D), jnp.float32),
-            **{f"l{i}": jax.ShapeDtypeStruct((D, D), jnp.float32) for i in range(3)}}
+  params = {
+    "emb": jax.ShapeDtypeStruct((D, D), jnp.float32),
+    **{f"l{i}": jax.ShapeDtypeStruct((D, D), jnp.float32) for i in range(3)},
+  }
 
   def loss(p, x):
     h = x @ p["emb"]
@@ -153,10 +177,16 @@ def test_reuse_distance_for_tied_weights():
     return (h @ p["emb"].T).mean()
 
   batch = jax.ShapeDtypeStruct((8, D), jnp.float32)
-  kept = zjax.compile_schedule(loss, params, batch, num_devices=8,
-                               config=zjax.ZeroConfig(param_persistence_threshold=0))
-  split = zjax.compile_schedule(loss, params, batch, num_devices=8, config=zjax.ZeroConfig(
-      param_persistence_threshold=0, max_reuse_distance=KERNEL))
+  kept = zjax.compile_schedule(
+    loss, params, batch, num_devices=8, config=zjax.ZeroConfig(param_persistence_threshold=0)
+  )
+  split = zjax.compile_schedule(
+    loss,
+    params,
+    batch,
+    num_devices=8,
+    config=zjax.ZeroConfig(param_persistence_threshold=0, max_reuse_distance=KERNEL),
+  )
   emb = kept.param("['emb']").bucket
   assert sum(st.bucket == emb for st in ops(kept.forward, "gather")) == 1
   assert sum(st.bucket == emb for st in ops(kept.backward, "reduce_scatter")) == 1
@@ -165,10 +195,19 @@ def test_reuse_distance_for_tied_weights():
   scatters = ops(split.backward, "reduce_scatter")
   assert sum(st.bucket == emb for st in scatters) == 1
   assert split.backward.index(scatters[-1]) > max(
-      i for i, st in enumerate(split.backward) if st.op == "compute" and emb in
-      split.segments[st.segment].buckets)
-  per_gather = zjax.compile_schedule(loss, params, batch, num_devices=8, config=zjax.ZeroConfig(
-      param_persistence_threshold=0, max_reuse_distance=KERNEL, gradient_reduction="per_gather"))
+    i
+    for i, st in enumerate(split.backward)
+    if st.op == "compute" and emb in split.segments[st.segment].buckets
+  )
+  per_gather = zjax.compile_schedule(
+    loss,
+    params,
+    batch,
+    num_devices=8,
+    config=zjax.ZeroConfig(
+      param_persistence_threshold=0, max_reuse_distance=KERNEL, gradient_reduction="per_gather"
+    ),
+  )
   assert sum(st.bucket == emb for st in ops(per_gather.backward, "reduce_scatter")) == 2
   # the trade: one reduction fewer, the embedding's full gradient live across the layers
   once, each = split.report(), per_gather.report()
@@ -209,9 +248,13 @@ def test_report_counts_match_the_steps():
 
 def test_padding_to_multiple_of_n():
   params = {"w": jax.ShapeDtypeStruct((257, 3), jnp.float32)}  # 771 elements
-  s = zjax.compile_schedule(lambda p, x: (x @ p["w"]).mean(), params,
-                            jax.ShapeDtypeStruct((2, 257), jnp.float32), num_devices=8,
-                            config=zjax.ZeroConfig(param_persistence_threshold=0))
+  s = zjax.compile_schedule(
+    lambda p, x: (x @ p["w"]).mean(),
+    params,
+    jax.ShapeDtypeStruct((2, 257), jnp.float32),
+    num_devices=8,
+    config=zjax.ZeroConfig(param_persistence_threshold=0),
+  )
   assert s.bucket_elements() == [776]
   assert s.report()["state_bytes_per_device"] == 97 * 4
 
@@ -234,19 +277,29 @@ def test_compute_dtype_halves_gather_bytes():
 def test_sixteen_bit_gathers_are_counted_as_packed_words():
   """bf16 travels two values per 32-bit word; an odd local length pads one value."""
   params = {"w": jax.ShapeDtypeStruct((8, 3), jnp.float32)}  # 24 elements: 3 per device
-  s = zjax.compile_schedule(lambda p, x: (x @ p["w"]).mean(), params,
-                            jax.ShapeDtypeStruct((8, 8), jnp.float32), num_devices=8,
-                            config=zjax.ZeroConfig(param_persistence_threshold=0,
-                                                   compute_dtype=jnp.bfloat16))
+  s = zjax.compile_schedule(
+    lambda p, x: (x @ p["w"]).mean(),
+    params,
+    jax.ShapeDtypeStruct((8, 8), jnp.float32),
+    num_devices=8,
+    config=zjax.ZeroConfig(param_persistence_threshold=0, compute_dtype=jnp.bfloat16),
+  )
   assert s.report()["all_gather_bytes"] == s.report()["all_gather_count"] * 8 * 2 * 4
 
 
 def test_int_params_are_gathered_but_never_reduce_scattered():
-  params = {"w": jax.ShapeDtypeStruct((D, D), jnp.float32),
-            "perm": jax.ShapeDtypeStruct((D * 4,), jnp.int32)}
+  params = {
+    "w": jax.ShapeDtypeStruct((D, D), jnp.float32),
+    "perm": jax.ShapeDtypeStruct((D * 4,), jnp.int32),
+  }
   loss = lambda p, x: (x @ p["w"])[:, p["perm"] % D].mean()
-  s = zjax.compile_schedule(loss, params, jax.ShapeDtypeStruct((8, D), jnp.float32),
-                            num_devices=8, config=zjax.ZeroConfig(param_persistence_threshold=0))
+  s = zjax.compile_schedule(
+    loss,
+    params,
+    jax.ShapeDtypeStruct((8, D), jnp.float32),
+    num_devices=8,
+    config=zjax.ZeroConfig(param_persistence_threshold=0),
+  )
   perm = s.param("['perm']").bucket
   assert any(st.bucket == perm for st in ops(s.forward, "gather"))
   assert not any(st.bucket == perm for st in ops(s.backward, "reduce_scatter"))
@@ -254,22 +307,36 @@ def test_int_params_are_gathered_but_never_reduce_scattered():
 
 
 def test_unused_param_is_sharded_but_never_gathered():
-  params = {"w": jax.ShapeDtypeStruct((D, D), jnp.float32),
-            "unused": jax.ShapeDtypeStruct((D, D), jnp.float32)}
-  s = zjax.compile_schedule(lambda p, x: (x @ p["w"]).mean(), params,
-                            jax.ShapeDtypeStruct((8, D), jnp.float32), num_devices=8,
-                            config=zjax.ZeroConfig(param_persistence_threshold=0))
+  params = {
+    "w": jax.ShapeDtypeStruct((D, D), jnp.float32),
+    "unused": jax.ShapeDtypeStruct((D, D), jnp.float32),
+  }
+  s = zjax.compile_schedule(
+    lambda p, x: (x @ p["w"]).mean(),
+    params,
+    jax.ShapeDtypeStruct((8, D), jnp.float32),
+    num_devices=8,
+    config=zjax.ZeroConfig(param_persistence_threshold=0),
+  )
   unused = s.param("['unused']")
   assert not unused.persistent and unused.bucket is None and unused.uses == ()
 
 
 def test_cond_params_are_gathered_outside_the_branch():
-  params = {"a": jax.ShapeDtypeStruct((D, D), jnp.float32),
-            "b": jax.ShapeDtypeStruct((D, D), jnp.float32)}
-  loss = lambda p, x: jax.lax.cond(x.sum() > 0, lambda h: h @ p["a"], lambda h: h @ p["b"],
-                                   x).mean()
-  s = zjax.compile_schedule(loss, params, jax.ShapeDtypeStruct((8, D), jnp.float32),
-                            num_devices=8, config=zjax.ZeroConfig(param_persistence_threshold=0))
+  params = {
+    "a": jax.ShapeDtypeStruct((D, D), jnp.float32),
+    "b": jax.ShapeDtypeStruct((D, D), jnp.float32),
+  }
+  loss = lambda p, x: jax.lax.cond(
+    x.sum() > 0, lambda h: h @ p["a"], lambda h: h @ p["b"], x
+  ).mean()
+  s = zjax.compile_schedule(
+    loss,
+    params,
+    jax.ShapeDtypeStruct((8, D), jnp.float32),
+    num_devices=8,
+    config=zjax.ZeroConfig(param_persistence_threshold=0),
+  )
   (seg,) = [g for g in s.segments if g.buckets]
   assert sorted(seg.buckets) == [0, 1]  # both branches' params, before the cond op
 
@@ -281,14 +348,16 @@ def test_compile_schedule_with_mesh():
   assert zjax.compile_schedule(loss, params, batch, mesh=mesh8).num_devices == 8
   assert zjax.compile_schedule(loss, params, batch, mesh=mesh4).num_devices == 4
   mesh2d = jax.make_mesh((2, 4), ("data", "fsdp"))
-  hsdp = zjax.compile_schedule(loss, params, batch, mesh=mesh2d,
-                               config=zjax.ZeroConfig(replicate_axes=("data",)))
+  hsdp = zjax.compile_schedule(
+    loss, params, batch, mesh=mesh2d, config=zjax.ZeroConfig(replicate_axes=("data",))
+  )
   assert (hsdp.num_devices, hsdp.replica_sizes, hsdp.data_parallel_size) == (4, (2,), 8)
   with pytest.raises(ValueError, match="Mesh axis 'data' is neither a shard axis"):
     zjax.compile_schedule(loss, params, batch, mesh=mesh2d)
   with pytest.raises(ValueError, match="replicate_axes names 'replica', but the mesh has"):
-    zjax.compile_schedule(loss, params, batch, mesh=mesh2d,
-                          config=zjax.ZeroConfig(replicate_axes=("data", "replica")))
+    zjax.compile_schedule(
+      loss, params, batch, mesh=mesh2d, config=zjax.ZeroConfig(replicate_axes=("data", "replica"))
+    )
   with pytest.raises(ValueError, match="shard_axes/axis_name names 'fsdp', but the mesh has axes"):
     zjax.compile_schedule(loss, params, batch, mesh=jax.make_mesh((8,), ("x",)))
   with pytest.raises(ValueError, match="exactly one of mesh"):
@@ -311,7 +380,13 @@ def test_str_is_a_reviewable_table():
   lines = text.splitlines()
   assert lines[0].startswith("zjax schedule v2: 8 device(s)")
   assert lines[1].split() == ["step", "phase", "op", "bucket", "what", "bytes", "live", "after"]
-  for word in ("gather (prefetch)", "compute", "release", "re-gather", "compute_vjp",
-               "reduce_scatter"):
+  for word in (
+    "gather (prefetch)",
+    "compute",
+    "release",
+    "re-gather",
+    "compute_vjp",
+    "reduce_scatter",
+  ):
     assert any(f" {word} " in line for line in lines), word
   assert "layer2 [kernel]" in text and "16.0 KiB" in text

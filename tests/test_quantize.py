@@ -11,11 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import mesh_of, reference, run_zjax
-from jax.sharding import NamedSharding, PartitionSpec as P
-from test_rolling import ADAMW, ROLL, edge_blocks, gpt
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import zjax
+from helpers import mesh_of, reference, run_zjax
+from test_rolling import ADAMW, ROLL, edge_blocks, gpt
 from zjax._src import collectives, hlo, ir, layout, quantize
 from zjax._src.quantize import Quantization
 
@@ -42,6 +43,7 @@ def block_scales(x, q):
 
 # ---- the block-wise bound ----------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 @pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
 @pytest.mark.parametrize("n, block", [(1000, 256), (37, 16), (37, 5), (3, 256)])
@@ -61,8 +63,17 @@ def test_adversarial_blocks():
   q = Quantization("int8", 4)
   zeros, outlier = [0.0] * 4, [1e30, 1.0, -2.0, 3.0]
   denormal = [1e-40, -3e-41, 0.0, 5e-42]
-  x = np.array([zeros + outlier + denormal + [1.0, np.inf, 2.0, 3.0] + [np.nan, 1, 2, 3] +
-                [0.5, -0.25, 0.125, 1.0]], np.float32)
+  x = np.array(
+    [
+      zeros
+      + outlier
+      + denormal
+      + [1.0, np.inf, 2.0, 3.0]
+      + [np.nan, 1, 2, 3]
+      + [0.5, -0.25, 0.125, 1.0]
+    ],
+    np.float32,
+  )
   got = round_trip(x, q)[0]
   assert np.array_equal(got[:4], np.zeros(4))  # exactly zero: no 0/0
   assert got[4] == pytest.approx(1e30, rel=1e-6)  # the outlier keeps the block's scale:
@@ -90,6 +101,7 @@ def test_stochastic_rounding_is_unbiased_and_nearest_is_not():
 
 # ---- the collectives on N devices ----------------------------------------------------------
 
+
 def _local_rows(x, n):
   """Each device's chunk of a flat, zero-padded leaf: [N, chunk]."""
   flat = np.pad(np.ravel(x), (0, ir.padded_size(x.size, n) - x.size))
@@ -102,14 +114,21 @@ def test_quantized_all_gather_equals_each_chunk_dequantized(n):
   mesh = mesh_of(n, explicit=False)
   w = np.asarray(jax.random.normal(jax.random.key(0), (37, 29)), np.float32)  # odd: padded
   entry = ir.ParamEntry("w", w.shape, "float32", False, 0, (0,))
-  stored = jax.device_put(layout.storage_from_natural(w, entry, n, np),
-                          NamedSharding(mesh, P("fsdp")))
-  gather = jax.jit(jax.shard_map(
+  stored = jax.device_put(
+    layout.storage_from_natural(w, entry, n, np), NamedSharding(mesh, P("fsdp"))
+  )
+  gather = jax.jit(
+    jax.shard_map(
       lambda chunk: collectives.all_gather_bucket([chunk], [entry], n, "fsdp", q)[0],
-      mesh=mesh, in_specs=P("fsdp"), out_specs=P(), check_vma=False))
+      mesh=mesh,
+      in_specs=P("fsdp"),
+      out_specs=P(),
+      check_vma=False,
+    )
+  )
   got = np.asarray(gather(stored))
   rows = _local_rows(w, n)
-  want = np.concatenate([round_trip(row, q) for row in rows])[:w.size].reshape(w.shape)
+  want = np.concatenate([round_trip(row, q) for row in rows])[: w.size].reshape(w.shape)
   np.testing.assert_array_equal(got, want)
   assert np.max(np.abs(got - w)) <= np.max(np.abs(w)) / 127 / 2 * (1 + 1e-6)
 
@@ -127,11 +146,13 @@ def test_quantized_reduce_scatter_within_the_bound_of_the_exact_mean(n, dtype):
   chunk = ir.padded_size(int(np.prod(shape)), n) // n
 
   def reduce(g):
-    return collectives.reduce_scatter_bucket([g[0]], [entry], n, "fsdp", jnp.float32,
-                                             quantization=q)[0]
+    return collectives.reduce_scatter_bucket(
+      [g[0]], [entry], n, "fsdp", jnp.float32, quantization=q
+    )[0]
 
-  run = jax.jit(jax.shard_map(reduce, mesh=mesh, in_specs=P("fsdp"), out_specs=P("fsdp"),
-                              check_vma=False))
+  run = jax.jit(
+    jax.shard_map(reduce, mesh=mesh, in_specs=P("fsdp"), out_specs=P("fsdp"), check_vma=False)
+  )
   got = np.asarray(run(jax.device_put(grads, NamedSharding(mesh, P("fsdp")))))
   exact = _local_rows(grads.mean(axis=0), n).reshape(-1)
   # sender d quantizes its row r (destination r) block-wise: the scale of each element
@@ -139,19 +160,25 @@ def test_quantized_reduce_scatter_within_the_bound_of_the_exact_mean(n, dtype):
   bound = scales.mean(axis=0).reshape(-1)
   assert got.shape == (n * chunk,)
   assert np.all(np.abs(got - exact) <= bound * (1 + 1e-5) + 1e-7)
-  assert np.all(got[grads[0].size:] == 0)  # the padding stays exactly zero
+  assert np.all(got[grads[0].size :] == 0)  # the padding stays exactly zero
 
 
 # ---- the compiled program against the report -----------------------------------------------
+
 
 def _executed(compiled):
   return hlo.executed(compiled.as_text())
 
 
-@pytest.mark.parametrize("config", [
-    BOTH, dataclasses.replace(BOTH, reduce_quantization="int4", roll_layers=False),
+@pytest.mark.parametrize(
+  "config",
+  [
+    BOTH,
+    dataclasses.replace(BOTH, reduce_quantization="int4", roll_layers=False),
     dataclasses.replace(QWZ, gather_quantization_phases=("backward",), max_reuse_distance=0),
-], ids=["qwz-qgz-rolled", "qwz-int4-unrolled", "qwz-backward-only"])
+  ],
+  ids=["qwz-qgz-rolled", "qwz-int4-unrolled", "qwz-backward-only"],
+)
 def test_compiled_collectives_equal_the_report_and_move_a_quarter(config):
   loss, params, batch = gpt(4)
   schedule, got, _, compiled = run_zjax(loss, params, batch, config=config)
@@ -162,11 +189,15 @@ def test_compiled_collectives_equal_the_report_and_move_a_quarter(config):
   want, _ = reference(loss, params, batch)
   np.testing.assert_allclose(got, want, rtol=2e-3)  # int8 weights: a 1e-3 loss change
   # unquantized, as predicted (and compiled: test_truthful.py checks they are equal)
-  plain = zjax.compile_schedule(loss, params, batch, num_devices=8, config=dataclasses.replace(
-      config, gather_quantization=None, reduce_quantization=None)).report()
+  plain = zjax.compile_schedule(
+    loss,
+    params,
+    batch,
+    num_devices=8,
+    config=dataclasses.replace(config, gather_quantization=None, reduce_quantization=None),
+  ).report()
   plain_bytes = plain["all_gather_bytes"] + plain["reduce_scatter_bytes"]
-  moved = sum(executed.get(f"{k}_bytes", 0) for k in ("all_gather", "reduce_scatter",
-                                                      "all_to_all"))
+  moved = sum(executed.get(f"{k}_bytes", 0) for k in ("all_gather", "reduce_scatter", "all_to_all"))
   assert moved / plain_bytes == pytest.approx(report["quantization"]["bytes_vs_unquantized"])
   if config is BOTH:  # int8 values + one fp32 scale per 256: (1 + 4/256) / 4 = 0.2539
     assert moved / plain_bytes <= 0.3
@@ -177,8 +208,9 @@ def test_compiled_collectives_equal_the_report_and_move_a_quarter(config):
 def test_quantized_on_a_two_axis_mesh(layout_name):
   """HSDP: gathers and all-to-alls within the shard group, shards then averaged over the
   replicas; hpZ: the secondary keeps the quantized wire, backward re-gathers it."""
-  config = dataclasses.replace(BOTH, replicate_axes=("data",),
-                               secondary_partition=layout_name == "hpz")
+  config = dataclasses.replace(
+    BOTH, replicate_axes=("data",), secondary_partition=layout_name == "hpz"
+  )
   mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
   loss, params, batch = gpt(2)
   schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=config)
@@ -191,12 +223,18 @@ def test_quantized_on_a_two_axis_mesh(layout_name):
     assert np.max(np.abs(g - r)) <= 0.1 * np.max(np.abs(r)) + 1e-6
   report = schedule.report()
   executed = hlo.executed_by_axis(
-      hlo.compile_for_analysis(step.lower(sharded, batch)).as_text(), mesh.shape)
+    hlo.compile_for_analysis(step.lower(sharded, batch)).as_text(), mesh.shape
+  )
   assert executed["all_gather"] == report["all_gather_bytes_by_axis"]
   assert executed["all_to_all"] == report["all_to_all_bytes_by_axis"]
   if layout_name == "hpz":  # the secondary keeps the quantized wire: a quarter
-    plain = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=dataclasses.replace(
-        config, gather_quantization=None, reduce_quantization=None))
+    plain = zjax.compile_schedule(
+      loss,
+      params,
+      batch,
+      mesh=mesh,
+      config=dataclasses.replace(config, gather_quantization=None, reduce_quantization=None),
+    )
     assert 0 < report["secondary_bytes"] < 0.3 * plain.report()["secondary_bytes"]
 
 
@@ -205,10 +243,15 @@ def test_odd_mixed_frozen_and_tiny_leaves():
   devices, some blocks frozen, int4 gradients: runs, and the program equals the report."""
   loss, params, batch = edge_blocks()
   mesh = mesh_of(3)
-  config = zjax.ZeroConfig(param_persistence_threshold=0, gather_quantization="int8",
-                           reduce_quantization="int4", quantization_block=7)
-  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=config,
-                                   frozen=lambda path: "'b3'" in path)
+  config = zjax.ZeroConfig(
+    param_persistence_threshold=0,
+    gather_quantization="int8",
+    reduce_quantization="int4",
+    quantization_block=7,
+  )
+  schedule = zjax.compile_schedule(
+    loss, params, batch, mesh=mesh, config=config, frozen=lambda path: "'b3'" in path
+  )
   step = zjax.value_and_grad(loss, schedule, mesh=mesh)
   sharded = zjax.shard(params, schedule, mesh)
   got, grads = step(sharded, batch)
@@ -217,8 +260,10 @@ def test_odd_mixed_frozen_and_tiny_leaves():
   natural = zjax.unshard(grads, schedule)
   assert np.all(np.asarray(natural["b3"]["w"]) == 0) and natural["b0"]["count"] == 0
   assert np.all(np.isfinite(np.asarray(natural["b0"]["w"], np.float32)))
-  report, executed = schedule.report(), _executed(
-      hlo.compile_for_analysis(step.lower(sharded, batch)))
+  report, executed = (
+    schedule.report(),
+    _executed(hlo.compile_for_analysis(step.lower(sharded, batch))),
+  )
   assert executed["all_to_all_bytes"] == report["all_to_all_bytes"]
   # the integer leaf's value is not read by the per-iteration vjp: the rolled loop's
   # backward does not re-gather it (XLA would delete the gather), and the report is exact
@@ -227,11 +272,11 @@ def test_odd_mixed_frozen_and_tiny_leaves():
 
 # ---- training -------------------------------------------------------------------------------
 
+
 def _train(config, steps, loss, params, batch, accumulation_steps=1, optimizer=ADAMW):
   mesh = mesh_of(8)
   schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=config)
-  trainer = zjax.zero3(loss, optimizer, schedule, mesh=mesh,
-                       accumulation_steps=accumulation_steps)
+  trainer = zjax.zero3(loss, optimizer, schedule, mesh=mesh, accumulation_steps=accumulation_steps)
   state, losses = trainer.init(params), []
   for _ in range(steps):
     state, metrics = trainer.step(state, batch)
@@ -242,12 +287,14 @@ def _train(config, steps, loss, params, batch, accumulation_steps=1, optimizer=A
 def test_training_tracks_fp32_and_padding_stays_zero():
   loss, params, batch = gpt(2)
   _, _, fp32 = _train(ROLL, 6, loss, params, batch)
-  trainer, state, quantized = _train(dataclasses.replace(BOTH, quantization_block=64), 6,
-                                     loss, params, batch)
+  trainer, state, quantized = _train(
+    dataclasses.replace(BOTH, quantization_block=64), 6, loss, params, batch
+  )
   np.testing.assert_allclose(quantized, fp32, rtol=0.02)
   assert quantized[-1] < quantized[0] - 0.5  # it learns
-  for x, leaf in zip(layout.stored_leaves(state.params, trainer.schedule, "params"),
-                     trainer.schedule.storage):
+  for x, leaf in zip(
+    layout.stored_leaves(state.params, trainer.schedule, "params"), trainer.schedule.storage
+  ):
     assert not np.any(layout.storage_padding(np.asarray(x), leaf.entry))
 
 
@@ -281,15 +328,15 @@ def test_accumulated_micro_batches_do_not_add_up_quantization_error():
   _, grad_exact = jax.value_and_grad(loss)(params, batch)
 
   def step_gradient(k):
-    trainer, state, _ = _train(QGZ, 1, loss, params, batch, accumulation_steps=k,
-                               optimizer=sgd)
+    trainer, state, _ = _train(QGZ, 1, loss, params, batch, accumulation_steps=k, optimizer=sgd)
     after = trainer.gather_params(state)
     return jax.tree.map(lambda p, a: np.asarray(p) - np.asarray(a), params, after)
 
   def error(g):  # relative L2 distance over all parameters
     pairs = list(zip(jax.tree.leaves(g), jax.tree.leaves(grad_exact)))
-    return float(np.sqrt(sum(np.sum((a - b) ** 2) for a, b in pairs) /
-                         sum(np.sum(b ** 2) for _, b in pairs)))
+    return float(
+      np.sqrt(sum(np.sum((a - b) ** 2) for a, b in pairs) / sum(np.sum(b**2) for _, b in pairs))
+    )
 
   one, four = error(step_gradient(1)), error(step_gradient(4))
   assert 0 < one < 0.05 and four <= one * 1.5, (one, four)

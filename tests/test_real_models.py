@@ -4,23 +4,25 @@ at two knob settings, three trainer steps against optax, and a checkpoint round 
 
 Tolerances: fp32 rtol 1e-5 (atol 1e-6 for gradients and parameters). The trainer runs
 clipped SGD with momentum: Adam turns the reduction-order noise of gradients that are zero
-in exact arithmetic (an attention key bias) into parameter differences of its step size. The sync-BatchNorm ResNet is compared with the same model without
-axis_name on the full batch: synchronised statistics must equal full-batch statistics.
+in exact arithmetic (an attention key bias) into parameter differences of its step size.
+The sync-BatchNorm ResNet is compared with the same model without axis_name on the full
+batch: synchronised statistics must equal full-batch statistics.
 """
 
 import jax
 import numpy as np
 import optax
 import pytest
+
+import zjax
 from helpers import ATOL, RTOL, LazyAnalysis, assert_trees_close, mesh_of
 from real_models import CASES
 
-import zjax
-
 KNOBS = {
-    "release-every-use": zjax.ZeroConfig(param_persistence_threshold=0, max_reuse_distance=0,
-                                         prefetch_bucket_size=0),
-    "keep-and-prefetch": zjax.ZeroConfig(param_persistence_threshold=64),
+  "release-every-use": zjax.ZeroConfig(
+    param_persistence_threshold=0, max_reuse_distance=0, prefetch_bucket_size=0
+  ),
+  "keep-and-prefetch": zjax.ZeroConfig(param_persistence_threshold=64),
 }
 PARAM_ATOL = 1e-6
 
@@ -32,8 +34,9 @@ def _args(case, sharded, batch=None):
 
 def run_zjax(case, n, config):
   mesh = mesh_of(n)
-  schedule = zjax.compile_schedule(case.loss_fn, case.params, case.batch, mesh=mesh,
-                                   config=config, extra=case.extra)
+  schedule = zjax.compile_schedule(
+    case.loss_fn, case.params, case.batch, mesh=mesh, config=config, extra=case.extra
+  )
   step = zjax.value_and_grad(case.loss_fn, schedule, mesh=mesh)
   args = _args(case, zjax.shard(case.params, schedule, mesh))
   out, grads = step(*args)
@@ -43,8 +46,9 @@ def run_zjax(case, n, config):
 def reference(case):
   if case.extra is None:
     return jax.value_and_grad(case.reference_loss_fn)(case.params, case.batch)
-  return jax.value_and_grad(case.reference_loss_fn, has_aux=True)(case.params, case.batch,
-                                                                   case.extra)
+  return jax.value_and_grad(case.reference_loss_fn, has_aux=True)(
+    case.params, case.batch, case.extra
+  )
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -75,14 +79,18 @@ def test_gradients_match_and_the_report_equals_the_compiled_program(case, refere
   report = schedule.report()
   executed = zjax.hlo.executed(compiled.as_text())
   assert report["all_gather_count"] > 0, name
-  print(f"\n{name} {knobs}: report AG {report['all_gather_count']} / "
-        f"{report['all_gather_bytes']} B, RS {report['reduce_scatter_count']} / "
-        f"{report['reduce_scatter_bytes']} B; compiled AG {executed.get('all_gather_count')} / "
-        f"{executed.get('all_gather_bytes')} B, RS {executed.get('reduce_scatter_count')} / "
-        f"{executed.get('reduce_scatter_bytes')} B")  # the table of `pytest -s`
+  print(
+    f"\n{name} {knobs}: report AG {report['all_gather_count']} / "
+    f"{report['all_gather_bytes']} B, RS {report['reduce_scatter_count']} / "
+    f"{report['reduce_scatter_bytes']} B; compiled AG {executed.get('all_gather_count')} / "
+    f"{executed.get('all_gather_bytes')} B, RS {executed.get('reduce_scatter_count')} / "
+    f"{executed.get('reduce_scatter_bytes')} B"
+  )  # the table of `pytest -s`
   for kind in ("all_gather", "reduce_scatter"):
-    assert (executed.get(f"{kind}_count", 0), executed.get(f"{kind}_bytes", 0)) == \
-        (report[f"{kind}_count"], report[f"{kind}_bytes"]), (name, knobs, kind)
+    assert (executed.get(f"{kind}_count", 0), executed.get(f"{kind}_bytes", 0)) == (
+      report[f"{kind}_count"],
+      report[f"{kind}_bytes"],
+    ), (name, knobs, kind)
 
 
 def test_gradients_match_on_4_devices(case, references):
@@ -98,7 +106,8 @@ def reference_training(case, optimizer, steps):
     if case.extra is None:
       return jax.value_and_grad(case.reference_loss_fn)(p, case.batch), None
     (loss, new_extra), grads = jax.value_and_grad(case.reference_loss_fn, has_aux=True)(
-        p, case.batch, extra)
+      p, case.batch, extra
+    )
     return (loss, grads), new_extra
 
   @jax.jit
@@ -119,8 +128,9 @@ def test_three_trainer_steps_match_optax_and_checkpoints_round_trip(case, tmp_pa
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9))
   mesh = mesh_of(8)
   config = KNOBS["release-every-use"]
-  schedule = zjax.compile_schedule(case.loss_fn, case.params, case.batch, mesh=mesh,
-                                   config=config, extra=case.extra)
+  schedule = zjax.compile_schedule(
+    case.loss_fn, case.params, case.batch, mesh=mesh, config=config, extra=case.extra
+  )
   trainer = zjax.zero3(case.loss_fn, optimizer, schedule, mesh=mesh)
   state = trainer.init(case.params, extra=case.extra)
   losses = []
@@ -140,11 +150,17 @@ def test_three_trainer_steps_match_optax_and_checkpoints_round_trip(case, tmp_pa
   for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   half = mesh_of(4)
-  trainer_4 = zjax.zero3(case.loss_fn, optimizer, zjax.compile_schedule(
-      case.loss_fn, case.params, case.batch, mesh=half, config=config, extra=case.extra),
-      mesh=half)
+  trainer_4 = zjax.zero3(
+    case.loss_fn,
+    optimizer,
+    zjax.compile_schedule(
+      case.loss_fn, case.params, case.batch, mesh=half, config=config, extra=case.extra
+    ),
+    mesh=half,
+  )
   on_4 = ckpt.restore(trainer_4)
-  for a, b in zip(jax.tree.leaves(trainer_4.gather_params(on_4)),
-                  jax.tree.leaves(trainer.gather_params(state))):
+  for a, b in zip(
+    jax.tree.leaves(trainer_4.gather_params(on_4)), jax.tree.leaves(trainer.gather_params(state))
+  ):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   ckpt.close()

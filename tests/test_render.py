@@ -28,8 +28,13 @@ class Tied(nn.Module):
 def test_notes_for_foreign_reused_unused_empty_scalar_int():
   model = Tied()
   x = jnp.ones((2, 4))
-  params = {"model": model.init(jax.random.key(0), x), "unused": jnp.ones(3),
-            "empty": jnp.ones((0,)), "scale": jnp.float32(1.0), "ids": jnp.arange(2)}
+  params = {
+    "model": model.init(jax.random.key(0), x),
+    "unused": jnp.ones(3),
+    "empty": jnp.ones((0,)),
+    "scale": jnp.float32(1.0),
+    "ids": jnp.arange(2),
+  }
 
   def loss(p, x):
     out = model.apply(p["model"], x) * p["scale"] + p["empty"].sum()

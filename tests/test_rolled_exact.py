@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import analyse_zjax, assert_report_matches
 
 import zjax
+from helpers import analyse_zjax, assert_report_matches
 from zjax._src import ir
 
 D, HEADS, LAYERS, VOCAB, SEQ = 32, 4, 3, 37, 12
@@ -53,7 +53,7 @@ class GPT2(nn.Module):
   def __call__(self, tokens):
     wte = nn.Embed(VOCAB, D, name="wte")
     wpe = self.param("wpe", nn.initializers.normal(0.02), (SEQ, D))
-    x = wte(tokens) + wpe[:tokens.shape[1]]
+    x = wte(tokens) + wpe[: tokens.shape[1]]
     for i in range(LAYERS):
       x = GPT2Block(name=f"h_{i}")(x)
     return wte.attend(nn.LayerNorm(name="ln_f")(x))
@@ -65,12 +65,14 @@ class LlamaBlock(nn.Module):
     d, kv = x.shape[-1], x.shape[-1] // 2  # two query heads per key/value head
     dense = lambda f, name: nn.Dense(f, use_bias=False, name=name)  # noqa: E731
     h = nn.RMSNorm(name="input_layernorm")(x)
-    out = attention(dense(d, "q_proj")(h), dense(kv, "k_proj")(h), dense(kv, "v_proj")(h),
-                    HEADS, True)
+    out = attention(
+      dense(d, "q_proj")(h), dense(kv, "k_proj")(h), dense(kv, "v_proj")(h), HEADS, True
+    )
     x = x + dense(d, "o_proj")(out)
     h = nn.RMSNorm(name="post_attention_layernorm")(x)
-    return x + dense(d, "down_proj")(nn.silu(dense(3 * d, "gate_proj")(h)) *
-                                     dense(3 * d, "up_proj")(h))
+    return x + dense(d, "down_proj")(
+      nn.silu(dense(3 * d, "gate_proj")(h)) * dense(3 * d, "up_proj")(h)
+    )
 
 
 class Llama(nn.Module):
@@ -93,8 +95,13 @@ class EncDecLayer(nn.Module):
     x = x + nn.Dense(d, name="o")(attention(q, k, v, HEADS, self.decoder))
     if self.decoder:
       h = nn.LayerNorm(name="cross_norm")(x)
-      out = attention(nn.Dense(d, name="cross_q")(h), nn.Dense(d, name="cross_k")(enc),
-                      nn.Dense(d, name="cross_v")(enc), HEADS, False)
+      out = attention(
+        nn.Dense(d, name="cross_q")(h),
+        nn.Dense(d, name="cross_k")(enc),
+        nn.Dense(d, name="cross_v")(enc),
+        HEADS,
+        False,
+      )
       x = x + nn.Dense(d, name="cross_o")(out)
     h = nn.relu(nn.Dense(2 * d, name="wi")(nn.LayerNorm(name="mlp_norm")(x)))
     return x + nn.Dense(d, name="wo")(h)
@@ -123,6 +130,7 @@ def decoder_case(model):
 
   def loss_fn(p, b):
     return cross_entropy(model.apply({"params": p}, b[:, :-1]), b[:, 1:])
+
   return loss_fn, params, tokens
 
 
@@ -133,17 +141,19 @@ def encdec_case():
   params = model.init(jax.random.key(4), src, tgt[:, :-1])["params"]
 
   def loss_fn(p, b):
-    return cross_entropy(model.apply({"params": p}, b["src"], b["tgt"][:, :-1]),
-                         b["tgt"][:, 1:])
+    return cross_entropy(model.apply({"params": p}, b["src"], b["tgt"][:, :-1]), b["tgt"][:, 1:])
+
   return loss_fn, params, {"src": src, "tgt": tgt}
 
 
-CASES = {"gpt2": lambda: decoder_case(GPT2()), "llama": lambda: decoder_case(Llama()),
-         "encdec": encdec_case}
+CASES = {
+  "gpt2": lambda: decoder_case(GPT2()),
+  "llama": lambda: decoder_case(Llama()),
+  "encdec": encdec_case,
+}
 # reuse 0: every bucket released after its use, prefetched a few sub-modules (8 D^2
 # elements) ahead; default: ZeroConfig's own knobs
-CONFIGS = {"reuse0": dict(max_reuse_distance=0, prefetch_bucket_size=8 * D * D),
-           "default": {}}
+CONFIGS = {"reuse0": dict(max_reuse_distance=0, prefetch_bucket_size=8 * D * D), "default": {}}
 
 
 def regathered_in_one_iteration(schedule) -> set[int]:

@@ -14,31 +14,41 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 import real_models
+import zjax
 from helpers import assert_parity
 from test_rolling import gpt, rolled_lengths
-
-import zjax
 from zjax._src import hlo, ir
 from zjax._src.errors import ScheduleError
 from zjax._src.validate import bucket_elements
 
-MODELS = {"gpt": lambda: real_models.Case(*gpt(2)), "llama": real_models.llama,
-          "bert": real_models.bert}
+MODELS = {
+  "gpt": lambda: real_models.Case(*gpt(2)),
+  "llama": real_models.llama,
+  "bert": real_models.bert,
+}
 
 
 def largest_bucket(case) -> int:
   """The elements of the largest bucket: below it nothing plans, rolled or not."""
-  s = zjax.compile_schedule(case.loss_fn, case.params, case.batch, num_devices=8,
-                            config=zjax.ZeroConfig(param_persistence_threshold=0))
+  s = zjax.compile_schedule(
+    case.loss_fn,
+    case.params,
+    case.batch,
+    num_devices=8,
+    config=zjax.ZeroConfig(param_persistence_threshold=0),
+  )
   return max(bucket_elements(s))
 
 
 def assert_exact(schedule, compiled):
   report, executed = schedule.report(), hlo.summarize(compiled)
   for kind in ("all_gather", "reduce_scatter"):
-    assert (executed[f"{kind}_count"], executed[f"{kind}_bytes"]) == \
-        (report[f"{kind}_count"], report[f"{kind}_bytes"]), kind
+    assert (executed[f"{kind}_count"], executed[f"{kind}_bytes"]) == (
+      report[f"{kind}_count"],
+      report[f"{kind}_bytes"],
+    ), kind
 
 
 def rolled_and_unrolled(case, config, n=8):
@@ -48,8 +58,7 @@ def rolled_and_unrolled(case, config, n=8):
     schedule, compiled = assert_parity(case.loss_fn, case.params, case.batch, n=n, config=c)
     assert_exact(schedule, compiled)
     out[roll] = schedule
-  assert out[True].report()["peak_live_param_bytes"] <= \
-      out[False].report()["peak_live_param_bytes"]
+  assert out[True].report()["peak_live_param_bytes"] <= out[False].report()["peak_live_param_bytes"]
   return out
 
 
@@ -61,8 +70,9 @@ def parted_loops(schedule):
 def test_gpt_at_one_and_two_largest_leaves(leaves):
   case = MODELS["gpt"]()
   cap = leaves * largest_bucket(case)
-  out = rolled_and_unrolled(case, zjax.ZeroConfig(param_persistence_threshold=0,
-                                                  max_live_parameters=cap))
+  out = rolled_and_unrolled(
+    case, zjax.ZeroConfig(param_persistence_threshold=0, max_live_parameters=cap)
+  )
   assert rolled_lengths(out[True]) == [2]
   if leaves == 1:  # the layer (12,576 elements) does not fit at once: gathered by parts
     assert parted_loops(out[True])
@@ -71,8 +81,7 @@ def test_gpt_at_one_and_two_largest_leaves(leaves):
 @pytest.mark.parametrize("name", ["llama", "bert"])
 def test_point_two_models_at_one_largest_leaf(name):
   case = MODELS[name]()
-  config = zjax.ZeroConfig(param_persistence_threshold=0,
-                           max_live_parameters=largest_bucket(case))
+  config = zjax.ZeroConfig(param_persistence_threshold=0, max_live_parameters=largest_bucket(case))
   out = rolled_and_unrolled(case, config, n=4)
   assert rolled_lengths(out[True]) == [3], out[True].rolling
   assert parted_loops(out[True])
@@ -82,22 +91,24 @@ def test_release_after_every_use_without_prefetch_gathers_by_parts():
   """ZeRO-3's leanest regime: every bucket gathered at its use and released after it. A
   whole-layer loop would hold a layer (and prefetch the next); parts hold one sub-module."""
   case = MODELS["gpt"]()
-  config = zjax.ZeroConfig(param_persistence_threshold=0, max_reuse_distance=0,
-                           prefetch_bucket_size=0)
+  config = zjax.ZeroConfig(
+    param_persistence_threshold=0, max_reuse_distance=0, prefetch_bucket_size=0
+  )
   out = rolled_and_unrolled(case, config)
   (loop,) = parted_loops(out[True])
   assert len(loop.parts) > 1
   backward = next(st for st in out[True].backward if st.op == ir.LOOP_OP)
-  assert [st.part for st in backward.body if st.op == ir.RECOMPUTE_OP] == \
-      list(range(len(loop.parts)))
+  assert [st.part for st in backward.body if st.op == ir.RECOMPUTE_OP] == list(
+    range(len(loop.parts))
+  )
 
 
 def test_parted_schedule_round_trips_and_edits_are_checked():
   case = MODELS["gpt"]()
-  config = zjax.ZeroConfig(param_persistence_threshold=0, max_reuse_distance=0,
-                           prefetch_bucket_size=0)
-  s = zjax.compile_schedule(case.loss_fn, case.params, case.batch, num_devices=8,
-                            config=config)
+  config = zjax.ZeroConfig(
+    param_persistence_threshold=0, max_reuse_distance=0, prefetch_bucket_size=0
+  )
+  s = zjax.compile_schedule(case.loss_fn, case.params, case.batch, num_devices=8, config=config)
   assert zjax.Schedule.from_json(s.to_json()) == s
   data = json.loads(s.to_json())
   loop = next(st for st in data["backward"] if st["op"] == ir.LOOP_OP)
@@ -105,8 +116,11 @@ def test_parted_schedule_round_trips_and_edits_are_checked():
   first_vjp = next(j for j, st in enumerate(loop["body"]) if st["op"] == "compute")
   j = next(j for j, st in enumerate(loop["body"]) if j > first_vjp and st["op"] == "gather")
   bucket = loop["body"].pop(j)["bucket"]
-  release = next(k for k, st in enumerate(loop["body"]) if k >= j and st["op"] == "release"
-                 and st["bucket"] == bucket)
+  release = next(
+    k
+    for k, st in enumerate(loop["body"])
+    if k >= j and st["op"] == "release" and st["bucket"] == bucket
+  )
   loop["body"].pop(release)
   with pytest.raises(ScheduleError, match="not gathered"):
     zjax.Schedule.from_json(json.dumps(data))
@@ -114,11 +128,11 @@ def test_parted_schedule_round_trips_and_edits_are_checked():
 
 def test_a_leaf_above_the_cap_stays_a_clear_error():
   case = MODELS["gpt"]()
-  config = zjax.ZeroConfig(param_persistence_threshold=0,
-                           max_live_parameters=largest_bucket(case) - 1)
+  config = zjax.ZeroConfig(
+    param_persistence_threshold=0, max_live_parameters=largest_bucket(case) - 1
+  )
   with pytest.raises(ScheduleError, match=r"\['embed'\]\['embedding'\].*at least"):
-    zjax.compile_schedule(case.loss_fn, case.params, case.batch, num_devices=8,
-                          config=config)
+    zjax.compile_schedule(case.loss_fn, case.params, case.batch, num_devices=8, config=config)
 
 
 def while_loop_layers(num_layers=3, d=16):
@@ -126,19 +140,24 @@ def while_loop_layers(num_layers=3, d=16):
   cannot reverse-differentiate one; jax.value_and_grad never asks: no parameter reaches
   it)."""
   keys = jax.random.split(jax.random.key(21), 2 * num_layers + 1)
-  params = {f"layer_{i}": {"a": {"w": jax.random.normal(keys[2 * i], (d, d)) / np.sqrt(d)},
-                           "b": {"w": jax.random.normal(keys[2 * i + 1], (d, d)) / np.sqrt(d)}}
-            for i in range(num_layers)}
+  params = {
+    f"layer_{i}": {
+      "a": {"w": jax.random.normal(keys[2 * i], (d, d)) / np.sqrt(d)},
+      "b": {"w": jax.random.normal(keys[2 * i + 1], (d, d)) / np.sqrt(d)},
+    }
+    for i in range(num_layers)
+  }
   batch = {"x": jax.random.normal(keys[-1], (16, d)), "t": jnp.float32(0.9)}
 
   def loss(p, b):
     x = b["x"]
     for i in range(num_layers):
-      halved = jax.lax.while_loop(lambda c: c[1] > 0.3, lambda c: (c[0] + 1, c[1] / 2),
-                                  (0, b["t"]))[1]
+      halved = jax.lax.while_loop(
+        lambda c: c[1] > 0.3, lambda c: (c[0] + 1, c[1] / 2), (0, b["t"])
+      )[1]
       h = jnp.tanh(x @ p[f"layer_{i}"]["a"]["w"]) * halved
       x = h @ p[f"layer_{i}"]["b"]["w"] + x
-    return jnp.mean(x ** 2)
+    return jnp.mean(x**2)
 
   return real_models.Case(loss, params, batch, reference_loss_fn=loss)
 

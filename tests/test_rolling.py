@@ -15,13 +15,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import real_models
 from flax import nnx
-from helpers import (assert_parity, assert_report_matches, assert_trees_close, mesh_of, run_zjax,
-                     steps_like_optax)
-from test_train import reference_run
 
+import real_models
 import zjax
+from helpers import (
+  assert_parity,
+  assert_report_matches,
+  assert_trees_close,
+  mesh_of,
+  run_zjax,
+  steps_like_optax,
+)
+from test_train import reference_run
 from zjax._src import hlo, ir
 from zjax.models.gpt import GPT, GPTConfig, make_loss_fn
 
@@ -38,8 +44,7 @@ PARAM_ATOL = 5e-5
 
 
 def gpt(n_layer, d_model=32, **kw):
-  cfg = GPTConfig(n_layer=n_layer, d_model=d_model, n_head=4, d_ff=4 * d_model, seq_len=16,
-                  **kw)
+  cfg = GPTConfig(n_layer=n_layer, d_model=d_model, n_head=4, d_ff=4 * d_model, seq_len=16, **kw)
   model = GPT(cfg)
   tokens = jax.random.randint(jax.random.key(0), (8, cfg.seq_len + 1), 0, cfg.vocab_size)
   return make_loss_fn(model), model.init(jax.random.key(1), tokens[:, :-1]), {"tokens": tokens}
@@ -66,6 +71,7 @@ class Block(nn.Module):
 
 class Net(nn.Module):
   """Unrolled blocks sharing one weight (a loop const), with input and head layers."""
+
   widths: tuple = (64, 64, 64, 64)
   rate: float = 0.0
   remat: bool = False
@@ -98,8 +104,7 @@ NET = zjax.ZeroConfig(param_persistence_threshold=100)
 
 def assert_rolled_equals_unrolled(loss, params, batch, config, rtol=1e-5, atol=1e-6):
   rolled = run_zjax(loss, params, batch, config=config)
-  unrolled = run_zjax(loss, params, batch,
-                      config=dataclasses.replace(config, roll_layers=False))
+  unrolled = run_zjax(loss, params, batch, config=dataclasses.replace(config, roll_layers=False))
   assert loops(rolled[0]) and not loops(unrolled[0])
   np.testing.assert_allclose(rolled[1], unrolled[1], rtol=rtol, atol=atol)
   assert_trees_close(rolled[2], unrolled[2], rtol=rtol, atol=atol)
@@ -108,12 +113,14 @@ def assert_rolled_equals_unrolled(loss, params, batch, config, rtol=1e-5, atol=1
 
 # ---- parity -------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("n", [8, 4])
 def test_unrolled_gpt_rolls_and_its_gradients_equal_plain_jax(n):
   schedule, _ = assert_parity(*gpt(4), n=n, config=ROLL)
   assert rolled_lengths(schedule) == [4]
-  assert schedule.rolling == ("rolled ops [8, 344): 4 layers of 84 ops (['params']['block_0'] "
-                              ".. ['params']['block_3'])",)
+  assert schedule.rolling == (
+    "rolled ops [8, 344): 4 layers of 84 ops (['params']['block_0'] .. ['params']['block_3'])",
+  )
   # the tied embedding (read before and after the blocks) stays a regular bucket
   embed = schedule.param("['params']['embed']['embedding']")
   assert not schedule.buckets[embed.bucket].stacked
@@ -163,8 +170,10 @@ def test_nnx_unrolled_layers_roll():
   def loss(p, b):
     return jnp.mean((nnx.merge(graphdef, p, rest)(b["x"]) - b["y"]) ** 2)
 
-  batch = {"x": jax.random.normal(jax.random.key(0), (16, 16)),
-           "y": jax.random.normal(jax.random.key(1), (16, 4))}
+  batch = {
+    "x": jax.random.normal(jax.random.key(0), (16, 16)),
+    "y": jax.random.normal(jax.random.key(1), (16, 4)),
+  }
   for n in (8, 4):
     schedule, _ = assert_parity(loss, params, batch, n=n, config=NET)
     assert rolled_lengths(schedule) == [3]
@@ -180,8 +189,9 @@ def test_only_the_identical_layers_roll():
   assert rolled_lengths(schedule) == [2, 3]
 
 
-@pytest.mark.parametrize("own_tables,n", [(True, 8), (False, 4)],
-                         ids=["tables-per-layer", "tables-shared"])
+@pytest.mark.parametrize(
+  "own_tables,n", [(True, 8), (False, 4)], ids=["tables-per-layer", "tables-shared"]
+)
 def test_llama_style_layers_all_roll(own_tables, n):
   """Rotary tables computed once before the layers, or (as Hugging Face's Flax Llama) each
   layer's own numpy constant of equal values: every layer rolls, gradients equal plain
@@ -192,8 +202,10 @@ def test_llama_style_layers_all_roll(own_tables, n):
   assert schedule.rolling[0].endswith("(['layers_0'] .. ['layers_2'])")
   report, compiled = schedule.report(), hlo.summarize(compiled)
   for kind in ("all_gather", "reduce_scatter"):
-    assert (compiled[f"{kind}_count"], compiled[f"{kind}_bytes"]) == \
-        (report[f"{kind}_count"], report[f"{kind}_bytes"]), kind
+    assert (compiled[f"{kind}_count"], compiled[f"{kind}_bytes"]) == (
+      report[f"{kind}_count"],
+      report[f"{kind}_bytes"],
+    ), kind
 
 
 def test_t5_style_stacks_roll_after_the_layer_holding_the_position_bias():
@@ -207,12 +219,16 @@ def test_t5_style_stacks_roll_after_the_layer_holding_the_position_bias():
   assert_trees_close(rolled[2], unrolled[2], rtol=1e-5, atol=1e-6)
   schedule = rolled[0]
   assert rolled_lengths(schedule) == [2, 2], schedule.rolling
-  assert [note.endswith(f"(['{stack}_1'] .. ['{stack}_2'])")
-          for note, stack in zip(schedule.rolling, ("encoder", "decoder"))] == [True, True]
+  assert [
+    note.endswith(f"(['{stack}_1'] .. ['{stack}_2'])")
+    for note, stack in zip(schedule.rolling, ("encoder", "decoder"))
+  ] == [True, True]
   report, compiled = schedule.report(), hlo.summarize(rolled[3])
   for kind in ("all_gather", "reduce_scatter"):
-    assert (compiled[f"{kind}_count"], compiled[f"{kind}_bytes"]) == \
-        (report[f"{kind}_count"], report[f"{kind}_bytes"]), kind
+    assert (compiled[f"{kind}_count"], compiled[f"{kind}_bytes"]) == (
+      report[f"{kind}_count"],
+      report[f"{kind}_bytes"],
+    ), kind
 
 
 def test_griffin_style_remat_custom_vjp_scan_layers_roll():
@@ -246,8 +262,7 @@ def test_frozen_blocks_split_the_run():
   config = NET
   mesh = mesh_of(8)
   frozen = lambda path: "block_2" in path  # noqa: E731
-  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=config,
-                                   frozen=frozen)
+  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=config, frozen=frozen)
   assert rolled_lengths(schedule) == [2, 3]
   assert any("frozen flag" in note for note in schedule.rolling)
   step = zjax.value_and_grad(loss, schedule, mesh=mesh)
@@ -255,14 +270,14 @@ def test_frozen_blocks_split_the_run():
   want, ref = jax.value_and_grad(loss)(params, batch)
   np.testing.assert_allclose(got, want, rtol=1e-5)
   ref = jax.tree_util.tree_map_with_path(
-      lambda path, g: jnp.zeros_like(g) if frozen(jax.tree_util.keystr(path)) else g, ref)
+    lambda path, g: jnp.zeros_like(g) if frozen(jax.tree_util.keystr(path)) else g, ref
+  )
   assert_trees_close(zjax.unshard(grads, schedule), ref)
 
 
 @pytest.mark.parametrize("layout", ["hsdp", "hpz"])
 def test_rolled_layers_on_a_two_axis_mesh(layout):
-  config = dataclasses.replace(ROLL, replicate_axes=("data",),
-                               secondary_partition=layout == "hpz")
+  config = dataclasses.replace(ROLL, replicate_axes=("data",), secondary_partition=layout == "hpz")
   mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
   loss, params, batch = gpt(4)
   schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=config)
@@ -279,15 +294,20 @@ def test_rolled_layers_on_a_two_axis_mesh(layout):
   if layout == "hpz":  # every layer's secondary kept: it costs memory, as predicted
     flat = dataclasses.replace(ROLL, shard_axes=("data", "fsdp"))
     flat_schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=flat)
-    flat_temp = hlo.compile_for_analysis(zjax.value_and_grad(loss, flat_schedule, mesh=mesh).lower(
-        zjax.shard(params, flat_schedule, mesh), batch)).memory_analysis()
+    flat_temp = hlo.compile_for_analysis(
+      zjax.value_and_grad(loss, flat_schedule, mesh=mesh).lower(
+        zjax.shard(params, flat_schedule, mesh), batch
+      )
+    ).memory_analysis()
     temp = compiled.memory_analysis().temp_size_in_bytes
-    predicted = (report["peak_live_param_bytes"] + report["peak_live_grad_bytes"] +
-                 report["secondary_bytes"])
+    predicted = (
+      report["peak_live_param_bytes"] + report["peak_live_grad_bytes"] + report["secondary_bytes"]
+    )
     assert 0 < report["secondary_bytes"] and flat_temp.temp_size_in_bytes < temp <= predicted
 
 
 # ---- the compiled program ----------------------------------------------------------------
+
 
 def test_while_bodies_hold_one_layers_collectives():
   schedule, _, _, compiled = run_zjax(*gpt(4), config=ROLL)
@@ -297,10 +317,18 @@ def test_while_bodies_hold_one_layers_collectives():
   for c in hlo.collectives(text):
     if c.computation in bodies:
       in_bodies.setdefault(c.computation, []).append(c.kind)
-  expected = sorted((loop["length"] - loop["prefetch"], loop["all_gather_count_per_iteration"],
-                     loop["reduce_scatter_count_per_iteration"]) for loop in report["loops"])
-  found = sorted((bodies[b], kinds.count("all_gather"), kinds.count("reduce_scatter"))
-                 for b, kinds in in_bodies.items())
+  expected = sorted(
+    (
+      loop["length"] - loop["prefetch"],
+      loop["all_gather_count_per_iteration"],
+      loop["reduce_scatter_count_per_iteration"],
+    )
+    for loop in report["loops"]
+  )
+  found = sorted(
+    (bodies[b], kinds.count("all_gather"), kinds.count("reduce_scatter"))
+    for b, kinds in in_bodies.items()
+  )
   assert found == expected and [x[1] for x in found] == [3, 3]  # one layer's 3 kernels
   executed = hlo.executed(text)
   for kind in ("all_gather", "reduce_scatter"):
@@ -315,7 +343,8 @@ def _compiled(n_layer, config):
   schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=config)
   sharded = zjax.shard(params, schedule, mesh)
   return hlo.compile_for_analysis(
-      zjax.value_and_grad(loss, schedule, mesh=mesh).lower(sharded, batch))
+    zjax.value_and_grad(loss, schedule, mesh=mesh).lower(sharded, batch)
+  )
 
 
 def test_program_does_not_grow_with_depth_and_temp_stays_below_unrolled():
@@ -346,17 +375,21 @@ def test_rolled_layers_are_one_stacked_leaf_and_the_program_keeps_its_size_with_
   qkv = "['params']['block_0']['attn']['qkv']['kernel']"
   stack = schedule.storage[[leaf.path for leaf in schedule.storage].index(qkv)]
   assert stack.rolled and [schedule.params[i].path for i in stack.members] == [
-      qkv.replace("block_0", f"block_{i}") for i in range(4)]
+    qkv.replace("block_0", f"block_{i}") for i in range(4)
+  ]
   assert sharded["params"]["block_0"]["attn"]["qkv"]["kernel"].shape == (4, 32 * 96)
   assert sharded["params"]["block_2"]["attn"]["qkv"]["kernel"] is None
-  assert {s.data.shape for s in
-          sharded["params"]["block_0"]["attn"]["qkv"]["kernel"].addressable_shards} == {
-      (4, 32 * 96 // 8)}
+  assert {
+    s.data.shape for s in sharded["params"]["block_0"]["attn"]["qkv"]["kernel"].addressable_shards
+  } == {(4, 32 * 96 // 8)}
   for a, b in zip(jax.tree.leaves(zjax.unshard(sharded, schedule)), jax.tree.leaves(params)):
     np.testing.assert_array_equal(a, b)
   unrolled = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=UNROLL)
-  assert zjax.per_device_bytes(sharded) == zjax.per_device_bytes(
-      zjax.shard(params, unrolled, mesh)) == schedule.report()["state_bytes_per_device"]
+  assert (
+    zjax.per_device_bytes(sharded)
+    == zjax.per_device_bytes(zjax.shard(params, unrolled, mesh))
+    == schedule.report()["state_bytes_per_device"]
+  )
   shallow, deep = _compiled(4, ROLL), _compiled(12, ROLL)
   assert _entry_parameters(shallow) == _entry_parameters(deep) == len(schedule.storage) + 1
   fusions = lambda c: c.as_text().count(" fusion(")  # noqa: E731
@@ -406,8 +439,9 @@ def test_edited_stacks_are_refused():
   schedule = zjax.compile_schedule(*gpt(3), num_devices=8, config=ROLL)
   data = json.loads(schedule.to_json())
   layered = [p for p in data["params"] if p.get("stack")]
-  assert layered and all(p["stack"].replace("block_0", f"block_{p['layer']}") == p["path"]
-                         for p in layered)
+  assert layered and all(
+    p["stack"].replace("block_0", f"block_{p['layer']}") == p["path"] for p in layered
+  )
   layered[-1]["layer"] = 0
   with pytest.raises(zjax.ScheduleError, match="holds layers|lists .* as layer"):
     zjax.Schedule.from_json(json.dumps(data))
@@ -418,10 +452,16 @@ def test_edited_stacks_are_refused():
 
 # ---- what is not rolled, files, checkpoints --------------------------------------------
 
+
 def test_nothing_repeats_says_so():
   params = {"a": jnp.ones((64, 32)), "b": jnp.ones((32, 16))}
-  schedule = zjax.compile_schedule(lambda p, x: jnp.mean(jnp.tanh(x @ p["a"]) @ p["b"]),
-                                   params, jnp.ones((8, 64)), num_devices=8, config=NET)
+  schedule = zjax.compile_schedule(
+    lambda p, x: jnp.mean(jnp.tanh(x @ p["a"]) @ p["b"]),
+    params,
+    jnp.ones((8, 64)),
+    num_devices=8,
+    config=NET,
+  )
   assert schedule.rolling == ("no repeated layers",) and not loops(schedule)
   off = zjax.compile_schedule(*gpt(2), num_devices=8, config=UNROLL)
   assert off.rolling == ("layer rolling is off (ZeroConfig.roll_layers=False)",)
@@ -436,13 +476,14 @@ def test_a_layer_reading_another_layers_weight_is_not_rolled():
   def loss(p, x):  # layer i also reads layer i-1's weight: not a loop
     for i in range(4):
       x = jnp.tanh(x @ p[f"w{i}"]) + (0.1 * x @ p[f"w{i - 1}"] if i else 0.0)
-    return jnp.mean(x ** 2)
+    return jnp.mean(x**2)
 
   x = jax.random.normal(k[4], (16, 32))
   schedule, _ = assert_parity(loss, params, x, config=NET)
   assert not any(note.startswith("rolled") for note in schedule.rolling)
-  assert any("is also read outside this layer (by another layer" in note
-             for note in schedule.rolling), schedule.rolling
+  assert any(
+    "is also read outside this layer (by another layer" in note for note in schedule.rolling
+  ), schedule.rolling
 
 
 def test_schedule_file_round_trip_and_edited_layers():
@@ -459,15 +500,21 @@ def test_schedule_file_round_trip_and_edited_layers():
 def test_checkpoint_saved_rolled_restores_unrolled_and_back(tmp_path):
   loss, params, batch = gpt(4)
   mesh = mesh_of(8)
-  trainers = {c.roll_layers: zjax.zero3(loss, ADAMW, zjax.compile_schedule(
-      loss, params, batch, mesh=mesh, config=c), mesh=mesh) for c in (ROLL, UNROLL)}
+  trainers = {
+    c.roll_layers: zjax.zero3(
+      loss, ADAMW, zjax.compile_schedule(loss, params, batch, mesh=mesh, config=c), mesh=mesh
+    )
+    for c in (ROLL, UNROLL)
+  }
   for saved, restored in ((True, False), (False, True)):
     state, _ = trainers[saved].step(trainers[saved].init(params), batch)
     with zjax.CheckpointManager(tmp_path / str(saved), trainers[saved]) as ckpt:
       ckpt.save(1, state)
     back = zjax.CheckpointManager(tmp_path / str(saved)).restore(trainers[restored])
-    for a, b in zip(jax.tree.leaves(trainers[saved].gather_params(state)),
-                    jax.tree.leaves(trainers[restored].gather_params(back))):
+    for a, b in zip(
+      jax.tree.leaves(trainers[saved].gather_params(state)),
+      jax.tree.leaves(trainers[restored].gather_params(back)),
+    ):
       np.testing.assert_array_equal(a, b)
     _, m1 = trainers[saved].step(state, batch)
     _, m2 = trainers[restored].step(back, batch)
@@ -476,11 +523,25 @@ def test_checkpoint_saved_rolled_restores_unrolled_and_back(tmp_path):
 
 def test_inspect_and_train_flags(tmp_path, capsys):
   from zjax.cli.main import build_parser, main
+
   for flag, rolled in (("--roll-layers", True), ("--no-roll-layers", False)):
     path = tmp_path / f"{rolled}.json"
     target = str(pathlib.Path(__file__).resolve().parents[1] / "examples/gpt.py")
-    assert main(["inspect", target + ":inspect_gpt", "--devices", "8", "--summary",
-                 "--save", str(path), flag]) == 0
+    assert (
+      main(
+        [
+          "inspect",
+          target + ":inspect_gpt",
+          "--devices",
+          "8",
+          "--summary",
+          "--save",
+          str(path),
+          flag,
+        ]
+      )
+      == 0
+    )
     notes = json.loads(path.read_text())["rolling"]
     assert notes[0].startswith("rolled ops") == rolled
   capsys.readouterr()
@@ -493,10 +554,16 @@ def edge_blocks(num_layers=4, d=12):
   8), a bf16 kernel, an unused leaf, an integer leaf, an empty leaf, a kernel read twice
   and inside a cond's branch."""
   keys = jax.random.split(jax.random.key(0), 2 * num_layers + 1)
-  params = {f"b{i}": {"w": jax.random.normal(keys[2 * i], (d, d)) / 4,
-                      "v": (jax.random.normal(keys[2 * i + 1], (d, d)) / 4).astype(jnp.bfloat16),
-                      "unused": jnp.ones((3,)), "count": jnp.array(i, jnp.int32),
-                      "empty": jnp.zeros((0,))} for i in range(num_layers)}
+  params = {
+    f"b{i}": {
+      "w": jax.random.normal(keys[2 * i], (d, d)) / 4,
+      "v": (jax.random.normal(keys[2 * i + 1], (d, d)) / 4).astype(jnp.bfloat16),
+      "unused": jnp.ones((3,)),
+      "count": jnp.array(i, jnp.int32),
+      "empty": jnp.zeros((0,)),
+    }
+    for i in range(num_layers)
+  }
 
   def loss(p, b):
     x = b["x"]
@@ -505,7 +572,7 @@ def edge_blocks(num_layers=4, d=12):
       h = jnp.tanh(x @ q["w"]) + 0.5 * (x.astype(jnp.bfloat16) @ q["v"]).astype(jnp.float32)
       h = jax.lax.cond(jnp.sum(q["w"]) > 0, lambda h: h * 1.1, lambda h: h @ q["w"].T * 0.9, h)
       x = x + h + q["empty"].sum() + 0.01 * q["count"].astype(jnp.float32)
-    return jnp.mean(x ** 2)
+    return jnp.mean(x**2)
 
   return loss, params, {"x": jax.random.normal(keys[-1], (24, d))}
 
@@ -514,8 +581,7 @@ def edge_blocks(num_layers=4, d=12):
 def test_odd_mixed_unused_integer_empty_and_cond_leaves_roll(n):
   loss, params, batch = edge_blocks()
   config = zjax.ZeroConfig(param_persistence_threshold=0)
-  schedule, compiled = assert_parity(loss, params, batch, n=n, config=config, rtol=2e-2,
-                                     atol=2e-3)
+  schedule, compiled = assert_parity(loss, params, batch, n=n, config=config, rtol=2e-2, atol=2e-3)
   assert rolled_lengths(schedule) == [4]
   # the integer leaf's bucket is not re-gathered in backward (the vjp does not read it),
   # and the report counts exactly the collectives XLA keeps
@@ -524,8 +590,10 @@ def test_odd_mixed_unused_integer_empty_and_cond_leaves_roll(n):
   assert "int32" not in regathered
   report, compiled = schedule.report(), hlo.summarize(compiled)
   for kind in ("all_gather", "reduce_scatter"):
-    assert (compiled[f"{kind}_count"], compiled[f"{kind}_bytes"]) == \
-        (report[f"{kind}_count"], report[f"{kind}_bytes"]), kind
+    assert (compiled[f"{kind}_count"], compiled[f"{kind}_bytes"]) == (
+      report[f"{kind}_count"],
+      report[f"{kind}_bytes"],
+    ), kind
   # bf16 leaves and their gradients round where XLA fuses, which differs inside a loop (one
   # bf16 ulp): bf16 tolerances, as against plain JAX above
   assert_rolled_equals_unrolled(loss, params, batch, config, rtol=2e-2, atol=2e-3)
@@ -537,16 +605,19 @@ def test_the_bench_model_trains_rolled_on_the_cpu_runtime():
   collective before the loop aborted this program in the first step ("Check failed: id <
   num_threads" in the all-gather rendezvous)."""
   from zjax.bench.run import gpt_model
+
   model = gpt_model(8, 128, 16)
   mesh = mesh_of(8)
-  schedule = zjax.compile_schedule(model.loss_fn, model.params, model.batch, mesh=mesh,
-                                   config=model.config)
+  schedule = zjax.compile_schedule(
+    model.loss_fn, model.params, model.batch, mesh=mesh, config=model.config
+  )
   assert rolled_lengths(schedule) == [8]
   trainer = zjax.zero3(model.loss_fn, ADAMW, schedule, mesh=mesh)
   state, losses = trainer.init(model.params), []
   for _ in range(3):
     state, metrics = trainer.step(state, model.batch)
     losses.append(float(metrics["loss"]))
+
   @jax.jit
   def reference_step(params, opt_state):
     loss, grads = jax.value_and_grad(model.loss_fn)(params, model.batch)
@@ -561,6 +632,7 @@ def test_the_bench_model_trains_rolled_on_the_cpu_runtime():
 
 
 # ---- a per-layer index into a value from before the layers ---------------------------------
+
 
 class HeadMaskedLayer(nn.Module):
   """A BERT-style layer scaling its attention heads by a per-layer row of a mask built
@@ -580,9 +652,10 @@ class HeadMaskedLayer(nn.Module):
 
 
 INDEX_STYLES = {  # layer i's row of the mask
-    "static slice": lambda mask, i: mask[i],
-    "dynamic_slice": lambda mask, i: jax.lax.dynamic_index_in_dim(mask, i, keepdims=False),
-    "gather": lambda mask, i: jnp.take(mask, i, axis=0)}
+  "static slice": lambda mask, i: mask[i],
+  "dynamic_slice": lambda mask, i: jax.lax.dynamic_index_in_dim(mask, i, keepdims=False),
+  "gather": lambda mask, i: jnp.take(mask, i, axis=0),
+}
 
 
 class HeadMaskedNet(nn.Module):
@@ -595,11 +668,12 @@ class HeadMaskedNet(nn.Module):
     mask = jnp.linspace(0.5, 1.0, self.layers * 4).reshape(self.layers, 4)
     for i in range(self.layers):
       x = HeadMaskedLayer(name=f"layer_{i}")(x, INDEX_STYLES[self.style](mask, i))
-    return jnp.mean(x ** 2)
+    return jnp.mean(x**2)
 
 
-@pytest.mark.parametrize("style,n", [("static slice", 8), ("static slice", 4),
-                                     ("dynamic_slice", 8), ("gather", 8)])
+@pytest.mark.parametrize(
+  "style,n", [("static slice", 8), ("static slice", 4), ("dynamic_slice", 8), ("gather", 8)]
+)
 def test_a_per_layer_index_rolls(style, n):
   """Each layer reads its own row of a mask built before the layers; the layers roll, the
   index read per iteration (a static slice: a dynamic slice at the iteration's offset)."""
@@ -607,8 +681,9 @@ def test_a_per_layer_index_rolls(style, n):
   tokens = jax.random.randint(jax.random.key(0), (16, 8), 0, 37)
   params = model.init(jax.random.key(1), tokens)
   config = zjax.ZeroConfig(param_persistence_threshold=0)
-  schedule, compiled = assert_parity(lambda p, b: model.apply(p, b), params, tokens, n=n,
-                                     config=config)
+  schedule, compiled = assert_parity(
+    lambda p, b: model.apply(p, b), params, tokens, n=n, config=config
+  )
   assert rolled_lengths(schedule) == [3], schedule.rolling
   assert_report_matches(schedule, compiled)
 
@@ -631,9 +706,13 @@ def test_layers_that_differ_in_one_op_are_named():
       return jnp.mean(x)
 
   model, x = Net(), jnp.ones((16, 512))
-  schedule = zjax.compile_schedule(lambda p, b: model.apply(p, b), model.init(
-      jax.random.key(0), x), x, num_devices=8, config=zjax.ZeroConfig(
-          param_persistence_threshold=0))
+  schedule = zjax.compile_schedule(
+    lambda p, b: model.apply(p, b),
+    model.init(jax.random.key(0), x),
+    x,
+    num_devices=8,
+    config=zjax.ZeroConfig(param_persistence_threshold=0),
+  )
   assert not loops(schedule)
   (note,) = schedule.rolling
   assert "layer_0" in note and "(tanh)" in note and "(mul)" in note, note

@@ -13,9 +13,13 @@ D = 64
 
 
 def model(num_layers=3, width=D):
-  params = {f"layer{i}": {"kernel": jax.ShapeDtypeStruct((width, width), jnp.float32),
-                          "bias": jax.ShapeDtypeStruct((width,), jnp.float32)}
-            for i in range(num_layers)}
+  params = {
+    f"layer{i}": {
+      "kernel": jax.ShapeDtypeStruct((width, width), jnp.float32),
+      "bias": jax.ShapeDtypeStruct((width,), jnp.float32),
+    }
+    for i in range(num_layers)
+  }
 
   def loss(p, x):
     for i in range(num_layers):
@@ -25,9 +29,9 @@ def model(num_layers=3, width=D):
   return loss, params, jax.ShapeDtypeStruct((8, width), jnp.float32)
 
 
-CONFIG = zjax.ZeroConfig(param_persistence_threshold=D, prefetch_bucket_size=D * D,
-                         max_reuse_distance=0,
-                         roll_layers=False)  # steps of the unrolled planner
+CONFIG = zjax.ZeroConfig(
+  param_persistence_threshold=D, prefetch_bucket_size=D * D, max_reuse_distance=0, roll_layers=False
+)  # steps of the unrolled planner
 
 
 @pytest.fixture
@@ -56,9 +60,23 @@ def test_json_is_versioned_and_diff_friendly(schedule):
   assert len(data["fingerprint"]) == 64
   # one step per line: a moved gather is a one-line diff
   assert text.count('{"op": ') == len(schedule.forward) + len(schedule.backward)
-  assert list(data) == ["format", "version", "fingerprint", "num_devices", "platform",
-                        "replica_sizes", "shard_sizes", "config", "program", "params",
-                        "buckets", "segments", "rolling", "forward", "backward"]
+  assert list(data) == [
+    "format",
+    "version",
+    "fingerprint",
+    "num_devices",
+    "platform",
+    "replica_sizes",
+    "shard_sizes",
+    "config",
+    "program",
+    "params",
+    "buckets",
+    "segments",
+    "rolling",
+    "forward",
+    "backward",
+  ]
   assert data["rolling"] == ["layer rolling is off (ZeroConfig.roll_layers=False)"]
 
 
@@ -120,18 +138,23 @@ def test_wrong_types_and_missing_fields(schedule):
 def test_edited_parameter_table_breaks_the_fingerprint(schedule):
   def grow(d):
     d["params"][1]["shape"] = [D, D + 1]
+
   with pytest.raises(zjax.ScheduleError, match="fingerprint .* does not match"):
     zjax.Schedule.from_json(edited(schedule, grow))
 
 
 def first(steps, op, bucket=None):
-  return next(i for i, s in enumerate(steps)
-              if s["op"] == op and (bucket is None or s.get("bucket") == bucket))
+  return next(
+    i
+    for i, s in enumerate(steps)
+    if s["op"] == op and (bucket is None or s.get("bucket") == bucket)
+  )
 
 
 def test_use_before_gather_names_step_and_params(schedule):
   def drop_first_gather(d):
     d["forward"].pop(first(d["forward"], "gather", 0))
+
   with pytest.raises(zjax.ScheduleError) as e:
     zjax.Schedule.from_json(edited(schedule, drop_first_gather), source="my.json")
   msg = str(e.value)
@@ -145,40 +168,44 @@ def test_release_before_last_use(schedule):
     i = first(fwd, "release", 1)
     step = fwd.pop(i)
     fwd.insert(first(fwd, "compute"), step)  # before the first compute: layer1 is needed later
+
   with pytest.raises(zjax.ScheduleError, match=r"release before last use|not gathered"):
     zjax.Schedule.from_json(edited(schedule, early_release))
 
 
 def test_unknown_parameter_in_bucket(schedule):
   with pytest.raises(zjax.ScheduleError, match=r"unknown parameter \['layer9'\]"):
-    zjax.Schedule.from_json(edited(schedule, lambda d: d["buckets"][0].update(
-        params=["['layer9']['kernel']"])))
+    zjax.Schedule.from_json(
+      edited(schedule, lambda d: d["buckets"][0].update(params=["['layer9']['kernel']"]))
+    )
 
 
 def test_bucket_mismatch_in_segment(schedule):
   def swap(d):
     seg = next(s for s in d["segments"] if s["buckets"])
     seg["buckets"] = [(seg["buckets"][0] + 1) % len(d["buckets"])]
+
   with pytest.raises(zjax.ScheduleError, match="bucket mismatch"):
     zjax.Schedule.from_json(edited(schedule, swap))
 
 
 def test_cap_is_enforced_on_hand_edits(schedule):
   with pytest.raises(zjax.ScheduleError, match="above max_live_parameters=10"):
-    zjax.Schedule.from_json(edited(schedule, lambda d: d["config"].update(
-        max_live_parameters=10)))
+    zjax.Schedule.from_json(edited(schedule, lambda d: d["config"].update(max_live_parameters=10)))
 
 
 def test_missing_reduce_scatter_and_double_gather(schedule):
   def drop_rs(d):
     i = first(d["backward"], "reduce_scatter")
     d["backward"].pop(i)
+
   with pytest.raises(zjax.ScheduleError, match="never reduce-scattered after its last backward"):
     zjax.Schedule.from_json(edited(schedule, drop_rs))
 
   def double(d):
     i = first(d["forward"], "gather")
     d["forward"].insert(i, dict(d["forward"][i]))
+
   with pytest.raises(zjax.ScheduleError, match="already gathered"):
     zjax.Schedule.from_json(edited(schedule, double))
 
@@ -191,18 +218,21 @@ def test_unknown_op_and_out_of_order_compute(schedule):
     computes = [i for i, s in enumerate(d["forward"]) if s["op"] == "compute"]
     a, b = computes[0], computes[1]
     d["forward"][a], d["forward"][b] = d["forward"][b], d["forward"][a]
+
   with pytest.raises(zjax.ScheduleError, match="segments run in program order"):
     zjax.Schedule.from_json(edited(schedule, reorder))
 
 
 def test_legal_hand_edit_is_accepted(schedule):
   """Moving a gather one step earlier (a manual prefetch) is legal and changes the report."""
+
   def prefetch_more(d):
     fwd = d["forward"]
     i = first(fwd, "gather", 2)
     step = fwd.pop(i)
     step["prefetch"] = True
     fwd.insert(i - 1, step)
+
   s = zjax.Schedule.from_json(edited(schedule, prefetch_more))
   assert s.report()["prefetch_count"] >= schedule.report()["prefetch_count"]
 
@@ -210,8 +240,9 @@ def test_legal_hand_edit_is_accepted(schedule):
 def test_verify_accepts_the_model_and_rejects_others(schedule):
   loss, params, batch = model()
   schedule.verify(loss, params, batch)
-  with pytest.raises(zjax.ScheduleMismatchError,
-                     match=r"\['layer0'\]\['bias'\] differs.*shape \[72\]"):
+  with pytest.raises(
+    zjax.ScheduleMismatchError, match=r"\['layer0'\]\['bias'\] differs.*shape \[72\]"
+  ):
     schedule.verify(*model(width=D + 8)[:2], jax.ShapeDtypeStruct((8, D + 8), jnp.float32))
   with pytest.raises(zjax.ScheduleMismatchError, match="lacks"):
     schedule.verify(*model(num_layers=2))
@@ -222,6 +253,7 @@ def test_verify_accepts_the_model_and_rejects_others(schedule):
     for i in range(3):
       x = jax.nn.relu(x @ p[f"layer{i}"]["kernel"] + p[f"layer{i}"]["bias"])
     return x.mean()
+
   with pytest.raises(zjax.ScheduleMismatchError):
     schedule.verify(other_activation, params, batch)
 
@@ -236,13 +268,17 @@ def test_fingerprint_depends_on_model_not_on_knobs():
 def test_files_from_before_gradient_reduction_and_platform_still_load():
   """Older files lack `platform` and `gradient_reduction`; they reduce-scattered once per
   forward gather, which is what loading them assumes."""
-  params = {"emb": jax.ShapeDtypeStruct((D, D), jnp.float32),
-            "mid": jax.ShapeDtypeStruct((D, D), jnp.float32)}
+  params = {
+    "emb": jax.ShapeDtypeStruct((D, D), jnp.float32),
+    "mid": jax.ShapeDtypeStruct((D, D), jnp.float32),
+  }
   loss = lambda p, x: (jnp.tanh(x @ p["emb"]) @ p["mid"] @ p["emb"].T).mean()
-  config = zjax.ZeroConfig(param_persistence_threshold=0, max_reuse_distance=0,
-                           gradient_reduction="per_gather")
-  new = zjax.compile_schedule(loss, params, jax.ShapeDtypeStruct((8, D), jnp.float32),
-                              num_devices=8, config=config)
+  config = zjax.ZeroConfig(
+    param_persistence_threshold=0, max_reuse_distance=0, gradient_reduction="per_gather"
+  )
+  new = zjax.compile_schedule(
+    loss, params, jax.ShapeDtypeStruct((8, D), jnp.float32), num_devices=8, config=config
+  )
   assert sum(st.op == "reduce_scatter" for st in new.backward) == 3  # emb twice, mid once
 
   def old_format(data):
@@ -261,14 +297,23 @@ def test_files_from_before_gradient_reduction_and_platform_still_load():
 def test_quantized_steps_in_the_file_follow_the_config():
   """qwZ / qgZ steps name their format in the file and the table; an edited format is
   refused (the config decides it, as it decides a step's axes)."""
-  config = zjax.ZeroConfig(param_persistence_threshold=D, gather_quantization="int8",
-                           reduce_quantization="int4", quantization_block=128)
+  config = zjax.ZeroConfig(
+    param_persistence_threshold=D,
+    gather_quantization="int8",
+    reduce_quantization="int4",
+    quantization_block=128,
+  )
   quantized = zjax.compile_schedule(*model(), num_devices=8, config=config)
   data = json.loads(quantized.to_json())
   flat = lambda steps: [b for st in steps for b in st.get("body", [st])]  # noqa: E731
   gather = next(st for st in flat(data["forward"]) if st["op"] == "gather")
-  assert gather["quantized"] == {"dtype": "int8", "block": 128, "scale_dtype": "float32",
-                                 "rounding": "nearest", "collective": "all_gather"}
+  assert gather["quantized"] == {
+    "dtype": "int8",
+    "block": 128,
+    "scale_dtype": "float32",
+    "rounding": "nearest",
+    "collective": "all_gather",
+  }
   reduce = next(st for st in flat(data["backward"]) if st["op"] == "reduce_scatter")
   assert reduce["quantized"]["rounding"] == "stochastic"
   assert reduce["quantized"]["collective"] == "all_to_all"
@@ -278,6 +323,7 @@ def test_quantized_steps_in_the_file_follow_the_config():
 
   def edit(data):
     next(st for st in flat(data["forward"]) if st["op"] == "gather")["quantized"]["block"] = 64
+
   with pytest.raises(zjax.ScheduleError, match="is quantized as .* under this config"):
     zjax.Schedule.from_json(edited(quantized, edit))
   report = quantized.report()

@@ -13,10 +13,10 @@ temp at `max_reuse_distance=0`.
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import analyse_zjax, assert_parity, assert_report_matches, mesh_of
-import real_models
 
+import real_models
 import zjax
+from helpers import analyse_zjax, assert_parity, assert_report_matches, mesh_of
 from zjax._src import segments
 
 HIDDEN = 32
@@ -27,6 +27,7 @@ REUSE0 = zjax.ZeroConfig(max_reuse_distance=0)
 def lstm(p, batch):
   """A plain-JAX LSTM over time (one fused gate matmul per step, as flax's
   OptimizedLSTMCell) and a head on the last state."""
+
   def step(carry, x):
     h, c = carry
     z = x @ p["wx"] + h @ p["wh"] + p["b"]
@@ -43,11 +44,13 @@ def lstm(p, batch):
 
 def lstm_case(batch_size=16, steps=6):
   k = jax.random.split(jax.random.key(0), 5)
-  params = {"wx": jax.random.normal(k[0], (12, 4 * HIDDEN)) / 4,
-            "wh": jax.random.normal(k[1], (HIDDEN, 4 * HIDDEN)) / 6,
-            "b": jnp.zeros((4 * HIDDEN,)),
-            "w1": jax.random.normal(k[2], (HIDDEN, HIDDEN)) / 6,
-            "w2": jax.random.normal(k[3], (HIDDEN, 4)) / 6}
+  params = {
+    "wx": jax.random.normal(k[0], (12, 4 * HIDDEN)) / 4,
+    "wh": jax.random.normal(k[1], (HIDDEN, 4 * HIDDEN)) / 6,
+    "b": jnp.zeros((4 * HIDDEN,)),
+    "w1": jax.random.normal(k[2], (HIDDEN, HIDDEN)) / 6,
+    "w2": jax.random.normal(k[3], (HIDDEN, 4)) / 6,
+  }
   return params, {"x": jax.random.normal(k[4], (batch_size, steps, 12))}
 
 

@@ -56,8 +56,13 @@ def test_layout_ops_are_not_uses():
 
 
 def test_unused_zero_sized_scalar_and_int_leaves():
-  params = {"unused": jnp.ones(3), "empty": jnp.ones((0, 4)), "scalar": jnp.float32(2.0),
-            "table": jnp.arange(4, dtype=jnp.int32), "w": jnp.ones((4, 4))}
+  params = {
+    "unused": jnp.ones(3),
+    "empty": jnp.ones((0, 4)),
+    "scalar": jnp.float32(2.0),
+    "table": jnp.arange(4, dtype=jnp.int32),
+    "w": jnp.ones((4, 4)),
+  }
 
   def loss(p, x):
     h = x @ p["w"] * p["scalar"] + p["empty"].sum()
@@ -93,6 +98,7 @@ def test_scan_consts_and_xs():
   def loss(p, x):
     def body(h, w):
       return jnp.tanh(h @ w) @ p["shared"], None
+
     h, _ = lax.scan(body, x, p["stacked"])
     return h.sum()
 
@@ -142,8 +148,7 @@ def test_while_and_fori_loop():
 
   def loss(p, x):
     h = lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ p["w"]), x)
-    n = lax.while_loop(lambda c: c[0] < p["limit"], lambda c: (c[0] + 1.0, c[1] @ p["w"]),
-                       (0.0, h))
+    n = lax.while_loop(lambda c: c[0] < p["limit"], lambda c: (c[0] + 1.0, c[1] @ p["w"]), (0.0, h))
     return n[1].sum()
 
   t = zjax.trace_program(loss, params, X)
@@ -193,12 +198,15 @@ def test_linen_module_reuse_and_remat():
   assert len(kernel.uses) == 3 and kernel.owner == "params/dense"
   assert all(u.module.endswith("dense") for u in kernel.uses)
   remat_kernel = by_path["['params']['remat_dense']['kernel']"]
-  assert "remat" in t.ops[remat_kernel.uses[0].op].primitive or \
-      t.ops[remat_kernel.uses[0].op].primitive == "checkpoint"
+  assert (
+    "remat" in t.ops[remat_kernel.uses[0].op].primitive
+    or t.ops[remat_kernel.uses[0].op].primitive == "checkpoint"
+  )
 
 
 def test_linen_nn_scan_stack_is_one_use_inside_scan():
   from gpt import GPTConfig, abstract_setup
+
   loss_fn, params, batch = abstract_setup(GPTConfig(scan_layers=True, n_layer=3))
   t = zjax.trace_program(loss_fn, params, batch)
   stacked = [p for p in t.params if "'layers'" in p.path]
@@ -210,6 +218,7 @@ def test_linen_nn_scan_stack_is_one_use_inside_scan():
 
 def test_tied_embedding_in_gpt_and_foreign_module_use():
   from gpt import GPTConfig, abstract_setup
+
   loss_fn, params, batch = abstract_setup(GPTConfig(n_layer=2))
   t = zjax.trace_program(loss_fn, params, batch)
   (emb,) = [p for p in t.params if p.path.endswith("['embedding']")]
@@ -220,6 +229,7 @@ def test_tied_embedding_in_gpt_and_foreign_module_use():
 
 def test_nnx_paths_and_owner():
   from nnx_mlp import inspect_nnx_mlp
+
   loss_fn, params, batch, _ = inspect_nnx_mlp()
   t = zjax.trace_program(loss_fn, params, batch)
   kernels = [p for p in t.params if p.path.endswith("['kernel'].value")]
@@ -228,7 +238,8 @@ def test_nnx_paths_and_owner():
 
 
 def test_shape_dtype_structs_give_the_same_table_as_arrays():
-  from gpt import GPTConfig, GPT, make_loss_fn
+  from gpt import GPT, GPTConfig, make_loss_fn
+
   cfg = GPTConfig(n_layer=2, d_model=32, d_ff=64, seq_len=8)
   model = GPT(cfg)
   tokens = jnp.zeros((2, cfg.seq_len + 1), jnp.int32)
@@ -238,11 +249,14 @@ def test_shape_dtype_structs_give_the_same_table_as_arrays():
   assert concrete.params == abstract.params and concrete.ops == abstract.ops
 
 
-@pytest.mark.parametrize("bad_loss,found", [
+@pytest.mark.parametrize(
+  "bad_loss,found",
+  [
     (lambda p, x: x @ p["w"], "float32[2, 4]"),
     (lambda p, x: (x.sum(), x.mean()), "float32[], float32[]"),
     (lambda p, x: jnp.int32(1) + p["w"].sum().astype(jnp.int32), "int32[]"),
-])
+  ],
+)
 def test_loss_must_be_one_float_scalar(bad_loss, found):
   with pytest.raises(zjax.TraceError, match="one scalar floating-point loss") as e:
     zjax.trace_program(bad_loss, {"w": jnp.ones((4, 4))}, X)

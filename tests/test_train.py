@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close, compiles_logged, mesh_of, mlp
 
 import zjax
+from helpers import assert_trees_close, compiles_logged, mesh_of, mlp
 
 PARAM_ATOL = 1e-5
 # Adam with eps=1e-8 is ill-conditioned for near-zero gradients (a dead GELU unit): their
@@ -28,6 +28,7 @@ SHARD_ALL = zjax.ZeroConfig(param_persistence_threshold=0, max_reuse_distance=0)
 
 def reference_run(loss_fn, optimizer, params, batches):
   """Plain optax on one device, full batch."""
+
   @jax.jit
   def step(params, state, batch):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
@@ -67,32 +68,46 @@ def same_batch(batch, steps=10):
 
 def test_gpt_adamw_10_steps():
   from test_execute import gpt_setup
+
   loss, params, batch = gpt_setup()
   # Adam amplifies the rounding of near-zero gradients: plain JAX on one device, summing the
   # batch in 8 parts as zjax's 8 devices do, already ends these 10 steps up to ~1e-4 away
   # from the full-batch run (measured here, 2026-12-03: 2 parts 8e-6, 4 parts 1.3e-4, 8
   # parts 9.6e-5; the CPU's code generation moves it). The bound is that measured noise.
   full, _ = reference_run(loss, ADAMW, params, same_batch(batch))
-  in_parts, _ = reference_run(lambda p, b: sum(loss(p, {"tokens": t}) for t in jnp.split(
-      b["tokens"], 8)) / 8, ADAMW, params, same_batch(batch))
-  noise = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(full),
-                                                             jax.tree.leaves(in_parts)))
-  _, state, _ = assert_training_parity(loss, ADAMW, params, same_batch(batch),
-                                       param_atol=2 * max(noise, 1e-5),
-                                       config=zjax.ZeroConfig(param_persistence_threshold=256))
+  in_parts, _ = reference_run(
+    lambda p, b: sum(loss(p, {"tokens": t}) for t in jnp.split(b["tokens"], 8)) / 8,
+    ADAMW,
+    params,
+    same_batch(batch),
+  )
+  noise = max(
+    float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(in_parts))
+  )
+  _, state, _ = assert_training_parity(
+    loss,
+    ADAMW,
+    params,
+    same_batch(batch),
+    param_atol=2 * max(noise, 1e-5),
+    config=zjax.ZeroConfig(param_persistence_threshold=256),
+  )
   assert int(state.step) == 10
 
 
 def test_nnx_adamw_10_steps():
   from nnx_mlp import make_model, split_model
+
   loss, params = split_model(make_model(d_in=16, d_hidden=32, n_classes=10, n_layers=2))
   batch = {"x": jax.random.normal(jax.random.key(0), (16, 16)), "y": jnp.arange(16) % 10}
-  assert_training_parity(loss, ADAMW, params, same_batch(batch),
-                         config=zjax.ZeroConfig(param_persistence_threshold=64))
+  assert_training_parity(
+    loss, ADAMW, params, same_batch(batch), config=zjax.ZeroConfig(param_persistence_threshold=64)
+  )
 
 
 def test_cnn_adamw_10_steps():
   from test_execute import CNN
+
   model = CNN()
   images = jax.random.normal(jax.random.key(0), (16, 8, 8, 3))
   params = model.init(jax.random.key(1), images)
@@ -101,9 +116,13 @@ def test_cnn_adamw_10_steps():
     logits = model.apply(p, b["x"])
     return -jnp.take_along_axis(jax.nn.log_softmax(logits), b["y"][:, None], 1).mean()
 
-  assert_training_parity(loss, ADAMW, params,
-                         same_batch({"x": images, "y": jnp.arange(16) % 10}),
-                         config=zjax.ZeroConfig(param_persistence_threshold=100))
+  assert_training_parity(
+    loss,
+    ADAMW,
+    params,
+    same_batch({"x": images, "y": jnp.arange(16) % 10}),
+    config=zjax.ZeroConfig(param_persistence_threshold=100),
+  )
 
 
 def test_clipping_active_and_exact():
@@ -122,15 +141,23 @@ def test_masks_and_labels_by_path(by):
   a stack); labels by layer (e.g. layer-wise learning rates) need roll_layers=False."""
   loss, params, batch = mlp(num_layers=3)
   decay_kernels = lambda p: jax.tree_util.tree_map_with_path(
-      lambda path, _: path[-1].key == "kernel", p)
-  slow = (lambda path: path[0].key == "layer0") if by == "layer" else (
-      lambda path: path[-1].key == "bias")
+    lambda path, _: path[-1].key == "kernel", p
+  )
+  slow = (
+    (lambda path: path[0].key == "layer0")
+    if by == "layer"
+    else (lambda path: path[-1].key == "bias")
+  )
   labels = lambda p: jax.tree_util.tree_map_with_path(
-      lambda path, _: "slow" if slow(path) else "fast", p)
+    lambda path, _: "slow" if slow(path) else "fast", p
+  )
   opt = optax.chain(
-      optax.masked(optax.add_decayed_weights(0.1), decay_kernels),
-      optax.multi_transform({"slow": optax.sgd(1e-3), "fast": optax.adam(1e-2),
-                             "matches_nothing": optax.lion(1.0)}, labels))
+    optax.masked(optax.add_decayed_weights(0.1), decay_kernels),
+    optax.multi_transform(
+      {"slow": optax.sgd(1e-3), "fast": optax.adam(1e-2), "matches_nothing": optax.lion(1.0)},
+      labels,
+    ),
+  )
   config = dataclasses.replace(SHARD_ALL, roll_layers=by == "name")
   assert_training_parity(loss, opt, params, same_batch(batch, 5), config=config)
   if by == "layer":
@@ -142,18 +169,25 @@ def test_lamb_trust_ratios_are_exact():
   """Per-leaf trust ratios: exact on per-layer leaves (on rolled stacks they are refused,
   test_rolling.py)."""
   loss, params, batch = mlp(num_layers=2)
-  assert_training_parity(loss, optax.lamb(1e-2), params, same_batch(batch, 5),
-                         config=dataclasses.replace(SHARD_ALL, roll_layers=False))
+  assert_training_parity(
+    loss,
+    optax.lamb(1e-2),
+    params,
+    same_batch(batch, 5),
+    config=dataclasses.replace(SHARD_ALL, roll_layers=False),
+  )
 
 
-@pytest.mark.parametrize("optimizer", [
+@pytest.mark.parametrize(
+  "optimizer",
+  [
     optax.adafactor(1e-2, min_dim_size_to_factor=8),
     optax.contrib.muon(1e-2),
-])
+  ],
+)
 def test_shape_dependent_optimizers_are_refused(optimizer):
   loss, params, batch = mlp(num_layers=2)
-  with pytest.raises(zjax.ZjaxError, match=r"not shard-compatible|cannot run on the sharded") \
-      as e:
+  with pytest.raises(zjax.ZjaxError, match=r"not shard-compatible|cannot run on the sharded") as e:
     zjax_run(loss, optimizer, params, [batch])
   assert "['layer" in str(e.value) or "sharded layout" in str(e.value)
 
@@ -161,8 +195,9 @@ def test_shape_dependent_optimizers_are_refused(optimizer):
 def test_gradient_accumulation_equals_the_big_batch():
   loss, params, batch = mlp(num_layers=2, batch=32)
   ref_params, ref_losses = reference_run(loss, optax.adamw(1e-2), params, same_batch(batch, 3))
-  trainer, state, metrics = zjax_run(loss, optax.adamw(1e-2), params, same_batch(batch, 3),
-                                     accumulation_steps=4)
+  trainer, state, metrics = zjax_run(
+    loss, optax.adamw(1e-2), params, same_batch(batch, 3), accumulation_steps=4
+  )
   np.testing.assert_allclose([m["loss"] for m in metrics], ref_losses, rtol=1e-5)
   assert_trees_close(trainer.gather_params(state), ref_params, rtol=1e-5, atol=PARAM_ATOL)
 
@@ -171,22 +206,32 @@ def test_accumulation_folds_the_micro_batch_index_into_keys():
   """Micro-batch i sees fold_in(key, i) (then each device folds in its position): the step
   equals the mean of value_and_grad over the micro-batches with those keys."""
   base, params, batch = mlp(num_layers=2, batch=32)
-  loss = lambda p, b: base(p, {"x": jax.random.bernoulli(b["key"], 0.7, b["x"].shape) * b["x"],
-                               "y": b["y"]})
+  loss = lambda p, b: base(
+    p, {"x": jax.random.bernoulli(b["key"], 0.7, b["x"].shape) * b["x"], "y": b["y"]}
+  )
   batch = dict(batch, key=jax.random.key(5))
   mesh = mesh_of(8)
   schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=SHARD_ALL)
   trainer = zjax.zero3(loss, optax.sgd(1.0), schedule, mesh=mesh, accumulation_steps=2)
   state, metrics = trainer.step(trainer.init(params), batch)
   grad_fn = zjax.value_and_grad(loss, schedule, mesh=mesh)
-  micro = [dict(x=batch["x"][16 * i:16 * (i + 1)], y=batch["y"][16 * i:16 * (i + 1)],
-                key=jax.random.fold_in(batch["key"], i)) for i in range(2)]
+  micro = [
+    dict(
+      x=batch["x"][16 * i : 16 * (i + 1)],
+      y=batch["y"][16 * i : 16 * (i + 1)],
+      key=jax.random.fold_in(batch["key"], i),
+    )
+    for i in range(2)
+  ]
   results = [grad_fn(zjax.shard(params, schedule, mesh), b) for b in micro]
-  np.testing.assert_allclose(metrics["loss"], np.mean([l for l, _ in results]), rtol=1e-6)
-  grads = zjax.unshard(jax.tree.map(lambda a, b: (a + b) / 2, *[g for _, g in results]),
-                       schedule)
-  assert_trees_close(trainer.gather_params(state),
-                     jax.tree.map(lambda p, g: p - g, params, grads), rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(metrics["loss"], np.mean([value for value, _ in results]), rtol=1e-6)
+  grads = zjax.unshard(jax.tree.map(lambda a, b: (a + b) / 2, *[g for _, g in results]), schedule)
+  assert_trees_close(
+    trainer.gather_params(state),
+    jax.tree.map(lambda p, g: p - g, params, grads),
+    rtol=1e-6,
+    atol=1e-7,
+  )
 
 
 def test_steps_do_not_recompile_and_state_is_donated():
@@ -245,17 +290,18 @@ def test_max_consecutive_skips_stops_with_the_last_good_state():
       zjax.zero3(loss, optax.adam(1e-2), schedule, mesh=mesh, max_consecutive_skips=wrong)
 
 
-@pytest.mark.parametrize("n, explicit", [(1, True), (2, True), (4, True), (8, True),
-                                         (8, False)])
+@pytest.mark.parametrize("n, explicit", [(1, True), (2, True), (4, True), (8, True), (8, False)])
 def test_state_bytes_per_device_match_the_schedule_and_scale(n, explicit):
   """Also on an Auto mesh, where jit would replicate adam's moments unless told."""
   from gpt import GPTConfig, abstract_setup
+
   cfg = GPTConfig(d_model=64, n_layer=2, n_head=4, d_ff=128, seq_len=16)
   loss, shapes, batch_shapes = abstract_setup(cfg, batch_size=8)
   params = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), shapes)
   mesh = mesh_of(n, explicit=explicit)
-  schedule = zjax.compile_schedule(loss, shapes, batch_shapes, mesh=mesh,
-                                   config=zjax.ZeroConfig(param_persistence_threshold=256))
+  schedule = zjax.compile_schedule(
+    loss, shapes, batch_shapes, mesh=mesh, config=zjax.ZeroConfig(param_persistence_threshold=256)
+  )
   state = zjax.zero3(loss, optax.adam(1e-3), schedule, mesh=mesh).init(params)
   param_bytes = zjax.per_device_bytes(state.params)
   assert param_bytes == schedule.report()["state_bytes_per_device"]
@@ -268,22 +314,26 @@ def test_state_bytes_per_device_match_the_schedule_and_scale(n, explicit):
 @pytest.mark.parametrize("n", [8, 4])
 def test_init_from_never_holds_the_whole_model(n):
   from gpt import GPT, GPTConfig, abstract_setup
+
   cfg = GPTConfig(d_model=128, n_layer=2, n_head=4, d_ff=512, seq_len=16)  # vocab 257: uneven
   model = GPT(cfg)
   loss, shapes, batch_shapes = abstract_setup(cfg, batch_size=8)
   mesh = mesh_of(n)
-  schedule = zjax.compile_schedule(loss, shapes, batch_shapes, mesh=mesh,
-                                   config=zjax.ZeroConfig(param_persistence_threshold=1024))
+  schedule = zjax.compile_schedule(
+    loss, shapes, batch_shapes, mesh=mesh, config=zjax.ZeroConfig(param_persistence_threshold=1024)
+  )
   tokens = jnp.zeros((8, cfg.seq_len), jnp.int32)
-  memory = zjax.hlo.compile_for_analysis(zjax.sharded_init(model.init, schedule, mesh).lower(
-      jax.random.key(0), tokens)).memory_analysis()
+  memory = zjax.hlo.compile_for_analysis(
+    zjax.sharded_init(model.init, schedule, mesh).lower(jax.random.key(0), tokens)
+  ).memory_analysis()
   share = schedule.report()["state_bytes_per_device"]
   largest_bucket = max(schedule.bucket_elements()) * 4
   # outputs = this device's share (+ a pointer per leaf in the output tuple)
   assert 0 <= memory.output_size_in_bytes - share <= 8 * len(schedule.params)
   # the issue's bound: per-device peak below the largest bucket plus the local share
-  assert memory.temp_size_in_bytes + memory.output_size_in_bytes \
-      < largest_bucket + share + 8 * len(schedule.params)
+  assert memory.temp_size_in_bytes + memory.output_size_in_bytes < largest_bucket + share + 8 * len(
+    schedule.params
+  )
   trainer = zjax.zero3(loss, optax.adam(1e-3), schedule, mesh=mesh)
   state = trainer.init_from(model.init, jax.random.key(0), tokens)
   expected = jax.jit(model.init)(jax.random.key(0), tokens)
@@ -327,8 +377,7 @@ def test_frozen_params_are_gathered_but_not_reduced_or_optimized():
   frozen = lambda path: path.startswith("['layer1']")
   mesh = mesh_of(8)
   plain = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=SHARD_ALL)
-  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=SHARD_ALL,
-                                   frozen=frozen)
+  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=SHARD_ALL, frozen=frozen)
   layer1 = schedule.param("['layer1']['kernel']").bucket
   assert schedule.buckets[layer1].frozen
   assert any(st.op == "gather" and st.bucket == layer1 for st in schedule.forward)
@@ -363,6 +412,7 @@ def test_frozen_params_are_gathered_but_not_reduced_or_optimized():
 @pytest.mark.parametrize("roll", [False, True], ids=["unrolled", "rolled"])
 def test_sub_groups_give_identical_results(roll):
   from zjax._src.train import plan_sub_groups
+
   loss, params, batch = mlp(num_layers=3)
   base = dataclasses.replace(SHARD_ALL, roll_layers=roll)
   one = zjax_run(loss, ADAMW, params, same_batch(batch, 3), config=base)
@@ -373,11 +423,13 @@ def test_sub_groups_give_identical_results(roll):
   groups = plan_sub_groups(schedule)
   # 520 elements per layer and device; rolled: a kernel stack (3 x 512) and a bias stack
   assert len(groups) == (2 if roll else 6) and all(len(g) == 1 for g in groups)
-  assert len(plan_sub_groups(zjax.compile_schedule(loss, params, batch, mesh=mesh,
-                                                   config=base))) == 1
+  assert (
+    len(plan_sub_groups(zjax.compile_schedule(loss, params, batch, mesh=mesh, config=base))) == 1
+  )
   # same math; the barriers between groups change XLA's fusion, hence ulp-level rounding
-  assert_trees_close(many[0].gather_params(many[1]), one[0].gather_params(one[1]), rtol=1e-6,
-                     atol=1e-7)
+  assert_trees_close(
+    many[0].gather_params(many[1]), one[0].gather_params(one[1]), rtol=1e-6, atol=1e-7
+  )
 
 
 class _BNNet(nn.Module):
@@ -405,18 +457,24 @@ def test_batch_statistics_as_extra_state():
 
   @jax.jit
   def reference_step(p, s, e):  # data parallel by hand: per-device slices, averaged
-    slices = [jax.tree.map(lambda a: a[i * 4:(i + 1) * 4], batch) for i in range(n)]
+    slices = [jax.tree.map(lambda a: a[i * 4 : (i + 1) * 4], batch) for i in range(n)]
     results = [jax.value_and_grad(loss_fn, has_aux=True)(p, b, e) for b in slices]
     mean = lambda *xs: sum(xs) / n
-    loss = mean(*[l for (l, _), _ in results])
+    loss = mean(*[value for (value, _), _ in results])
     new_e = jax.tree.map(mean, *[a for (_, a), _ in results])
     grads = jax.tree.map(mean, *[g for _, g in results])
     u, s = opt.update(grads, s, p)
     return optax.apply_updates(p, u), s, new_e, loss
 
   mesh = mesh_of(n)
-  schedule = zjax.compile_schedule(loss_fn, params, batch, mesh=mesh, extra=extra,
-                                   config=zjax.ZeroConfig(param_persistence_threshold=0))
+  schedule = zjax.compile_schedule(
+    loss_fn,
+    params,
+    batch,
+    mesh=mesh,
+    extra=extra,
+    config=zjax.ZeroConfig(param_persistence_threshold=0),
+  )
   trainer = zjax.zero3(loss_fn, opt, schedule, mesh=mesh)
   state = trainer.init(params, extra=extra)
   ref_p, ref_s, ref_e = params, opt.init(params), extra
@@ -427,8 +485,9 @@ def test_batch_statistics_as_extra_state():
   assert_trees_close(state.extra, ref_e, rtol=1e-5, atol=1e-6)
   assert_trees_close(trainer.gather_params(state), ref_p, rtol=1e-5, atol=PARAM_ATOL)
   with pytest.raises(zjax.TraceError, match="must return \\(loss, new_extra\\)"):
-    zjax.compile_schedule(lambda p, b, e: loss_fn(p, b, e)[0], params, batch, mesh=mesh,
-                          extra=extra)
+    zjax.compile_schedule(
+      lambda p, b, e: loss_fn(p, b, e)[0], params, batch, mesh=mesh, extra=extra
+    )
 
 
 def test_nnx_batch_stats_recipe_from_the_readme():
@@ -453,8 +512,14 @@ def test_nnx_batch_stats_recipe_from_the_readme():
 
   batch = {"x": jax.random.normal(jax.random.key(0), (16, 8)), "y": jnp.ones((16, 4))}
   mesh = mesh_of(4)
-  schedule = zjax.compile_schedule(loss_fn, params, batch, mesh=mesh, extra=stats,
-                                   config=zjax.ZeroConfig(param_persistence_threshold=0))
+  schedule = zjax.compile_schedule(
+    loss_fn,
+    params,
+    batch,
+    mesh=mesh,
+    extra=stats,
+    config=zjax.ZeroConfig(param_persistence_threshold=0),
+  )
   trainer = zjax.zero3(loss_fn, optax.adam(1e-2), schedule, mesh=mesh)
   state = trainer.init(params, extra=stats)
   losses = []
@@ -471,11 +536,24 @@ def test_state_memory_script_runs():
   import pathlib
   import subprocess
   import sys
+
   root = pathlib.Path(__file__).resolve().parents[1]
-  done = subprocess.run([sys.executable, str(root / "examples/state_memory.py"), "--devices",
-                         "1", "2", "--layers", "1", "--d-model", "32"],
-                        capture_output=True, text=True, timeout=600)
+  done = subprocess.run(
+    [
+      sys.executable,
+      str(root / "examples/state_memory.py"),
+      "--devices",
+      "1",
+      "2",
+      "--layers",
+      "1",
+      "--d-model",
+      "32",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert done.returncode == 0, done.stderr[-2000:]
   lines = done.stdout.splitlines()
-  assert lines[0].startswith("GPT:") and lines[1].startswith("N=1:") and \
-      lines[2].startswith("N=2:")
+  assert lines[0].startswith("GPT:") and lines[1].startswith("N=1:") and lines[2].startswith("N=2:")

@@ -7,12 +7,13 @@ program the CPU runs differs.
 """
 
 import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import analyse_zjax, mlp, run_zjax
 
 import zjax
+from helpers import analyse_zjax, mlp, run_zjax
 
 D = 256
 W1 = D * D * 4  # bytes of one layer's weight
@@ -20,8 +21,10 @@ W1 = D * D * 4  # bytes of one layer's weight
 
 def deep_mlp(num_layers=8):
   """DESIGN.md's reference model: 8 layers, D=256, tiny batch (weights dominate memory)."""
-  params = {f"l{i}": {"kernel": jax.random.normal(jax.random.key(i), (D, D)) / 16}
-            for i in range(num_layers)}
+  params = {
+    f"l{i}": {"kernel": jax.random.normal(jax.random.key(i), (D, D)) / 16}
+    for i in range(num_layers)
+  }
 
   def loss(p, b):
     x = b["x"]
@@ -44,13 +47,19 @@ def compiled_summary(model, config, n=8):
 
 
 CONFIGS = {
-    "keep-all": zjax.ZeroConfig(param_persistence_threshold=0),
-    "no-prefetch": zjax.ZeroConfig(param_persistence_threshold=0, prefetch_bucket_size=0,
-                                   max_reuse_distance=0),
-    "prefetch-1": zjax.ZeroConfig(param_persistence_threshold=0, prefetch_bucket_size=D * D,
-                                  max_reuse_distance=0, max_live_parameters=2 * D * D),
-    "reuse-some": zjax.ZeroConfig(param_persistence_threshold=0, max_reuse_distance=5 * D * D,
-                                  prefetch_bucket_size=D * D),
+  "keep-all": zjax.ZeroConfig(param_persistence_threshold=0),
+  "no-prefetch": zjax.ZeroConfig(
+    param_persistence_threshold=0, prefetch_bucket_size=0, max_reuse_distance=0
+  ),
+  "prefetch-1": zjax.ZeroConfig(
+    param_persistence_threshold=0,
+    prefetch_bucket_size=D * D,
+    max_reuse_distance=0,
+    max_live_parameters=2 * D * D,
+  ),
+  "reuse-some": zjax.ZeroConfig(
+    param_persistence_threshold=0, max_reuse_distance=5 * D * D, prefetch_bucket_size=D * D
+  ),
 }
 
 
@@ -65,13 +74,17 @@ def test_collectives_equal_the_report(name, unrolled):
 
 def test_gpt_collectives_equal_the_report():
   from test_execute import gpt_setup
-  cfg = zjax.ZeroConfig(param_persistence_threshold=256, max_reuse_distance=5000,
-                        prefetch_bucket_size=5000)
+
+  cfg = zjax.ZeroConfig(
+    param_persistence_threshold=256, max_reuse_distance=5000, prefetch_bucket_size=5000
+  )
   _, report, hlo = compiled_summary(gpt_setup(), cfg)
   assert report["all_gather_count"] > 0 and report["backward_all_gather_count"] > 0
   for kind in ("all_gather", "reduce_scatter"):
-    assert (hlo[f"{kind}_count"], hlo[f"{kind}_bytes"]) == \
-        (report[f"{kind}_count"], report[f"{kind}_bytes"]), kind
+    assert (hlo[f"{kind}_count"], hlo[f"{kind}_bytes"]) == (
+      report[f"{kind}_count"],
+      report[f"{kind}_bytes"],
+    ), kind
   # only persistent gradients (and the loss) are all-reduced
   assert hlo["all_reduce_bytes"] <= report["persistent_grad_all_reduce_bytes"] + 16
 
@@ -91,19 +104,26 @@ def test_bf16_parameters_report_equals_the_compiled_program(reduce_dtype):
   executor does it explicitly and the report counts f32 bytes). Counts and bytes equal."""
   loss, params, batch = mlp(num_layers=3)
   params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
-  config = zjax.ZeroConfig(param_persistence_threshold=64, max_reuse_distance=0,
-                           reduce_dtype=reduce_dtype)
+  config = zjax.ZeroConfig(
+    param_persistence_threshold=64, max_reuse_distance=0, reduce_dtype=reduce_dtype
+  )
   schedule, report, hlo = compiled_summary((loss, params, batch), config)
   assert schedule.platform == "cpu" and report["reduce_scatter_count"] == 3
   assert report["reduce_scatter_bytes"] == 3 * 64 * 64 * 4  # f32 on the wire
   for kind in ("all_gather", "reduce_scatter"):
-    assert (hlo[f"{kind}_count"], hlo[f"{kind}_bytes"]) == \
-        (report[f"{kind}_count"], report[f"{kind}_bytes"]), kind
+    assert (hlo[f"{kind}_count"], hlo[f"{kind}_bytes"]) == (
+      report[f"{kind}_count"],
+      report[f"{kind}_bytes"],
+    ), kind
   assert report["persistent_grad_all_reduce_bytes"] == 3 * 64 * 4
-  assert report["persistent_grad_all_reduce_bytes"] <= hlo["all_reduce_bytes"] <= \
-      report["persistent_grad_all_reduce_bytes"] + 16  # + the loss
-  gpu = zjax.compile_schedule(loss, params, batch, num_devices=8, config=config,
-                              platform="gpu").report()
+  assert (
+    report["persistent_grad_all_reduce_bytes"]
+    <= hlo["all_reduce_bytes"]
+    <= report["persistent_grad_all_reduce_bytes"] + 16
+  )  # + the loss
+  gpu = zjax.compile_schedule(
+    loss, params, batch, num_devices=8, config=config, platform="gpu"
+  ).report()
   native = 2 if reduce_dtype is None else 4
   assert gpu["reduce_scatter_bytes"] == 3 * 64 * 64 * native
 
@@ -129,8 +149,10 @@ def test_unused_head_and_dead_concatenation_plan_no_collectives(name):
   assert schedule.param("['aux_head']['kernel']").bucket is None
   assert report["reduce_scatter_count"] == 3
   for kind in ("all_gather", "reduce_scatter"):
-    assert (hlo[f"{kind}_count"], hlo[f"{kind}_bytes"]) == \
-        (report[f"{kind}_count"], report[f"{kind}_bytes"]), kind
+    assert (hlo[f"{kind}_count"], hlo[f"{kind}_bytes"]) == (
+      report[f"{kind}_count"],
+      report[f"{kind}_bytes"],
+    ), kind
 
 
 def test_one_device_has_no_collectives():
@@ -155,15 +177,17 @@ def test_memory_within_the_predicted_bound(roll):
   for name, config in CONFIGS.items():
     schedule, report, hlo = compiled_summary(deep_mlp(), UNROLLED(config, not roll))
     assert roll == bool(report["loops"])
-    bound = (report["peak_live_param_bytes"] + report["peak_live_grad_bytes"] +
-             W1 + 0.05 * W1)
+    bound = report["peak_live_param_bytes"] + report["peak_live_grad_bytes"] + W1 + 0.05 * W1
     assert hlo["temp_bytes"] <= bound, (name, hlo["temp_bytes"] / W1, bound / W1)
 
 
 def test_lower_max_live_parameters_lowers_memory():
   keep = compiled_summary(deep_mlp(), UNROLLED(CONFIGS["keep-all"]))[2]["temp_bytes"]
-  capped = compiled_summary(deep_mlp(), zjax.ZeroConfig(
-      param_persistence_threshold=0, max_live_parameters=2 * D * D, roll_layers=False)
+  capped = compiled_summary(
+    deep_mlp(),
+    zjax.ZeroConfig(
+      param_persistence_threshold=0, max_live_parameters=2 * D * D, roll_layers=False
+    ),
   )[2]["temp_bytes"]
   assert capped < 0.55 * keep  # 4 layers of weights instead of 8
   assert capped <= 4.1 * W1  # 2 live layers + 1 gradient + 1 bucket of slack
@@ -190,8 +214,12 @@ ENTRY %main {
 """
   colls = zjax.hlo.collectives(text)
   assert [(c.kind, c.bytes) for c in colls] == [
-      ("all_gather", 8 * 512 * 4), ("all_gather", 512 * 4), ("reduce_scatter", 8 * 512 * 2),
-      ("all_reduce", 16 + 4), ("all_reduce", 64)]
+    ("all_gather", 8 * 512 * 4),
+    ("all_gather", 512 * 4),
+    ("reduce_scatter", 8 * 512 * 2),
+    ("all_reduce", 16 + 4),
+    ("all_reduce", 64),
+  ]
   assert {c.computation for c in colls} == {"main"}
 
 
@@ -199,8 +227,8 @@ def test_saved_residuals_are_never_gathered_parameters(monkeypatch):
   """Spy on what each segment's vjp keeps for backward: activations only; every residual
   that is a gathered parameter became a slot, refilled from a re-gather in backward."""
   from test_execute import gpt_setup
-
   from zjax._src import segments as seg_lib
+
   kept_shapes, slots = [], []
   strip = seg_lib.strip_params
 
@@ -212,8 +240,12 @@ def test_saved_residuals_are_never_gathered_parameters(monkeypatch):
 
   monkeypatch.setattr(seg_lib, "strip_params", spy)
   loss, params, batch = gpt_setup()
-  schedule, _, _, _ = run_zjax(loss, params, batch, config=zjax.ZeroConfig(
-      param_persistence_threshold=256, max_reuse_distance=0))
+  schedule, _, _, _ = run_zjax(
+    loss,
+    params,
+    batch,
+    config=zjax.ZeroConfig(param_persistence_threshold=256, max_reuse_distance=0),
+  )
   sharded_shapes = {tuple(p.shape) for p in schedule.params if not p.persistent}
   assert sum(slots) > 0
   assert not sharded_shapes & set(kept_shapes)

@@ -15,16 +15,20 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import assert_parity, assert_report_matches, case_temp, mesh_of
-import real_models
 
+import real_models
 import zjax
+from helpers import assert_parity, assert_report_matches, case_temp, mesh_of
 from zjax._src import segments, trace
 
 REUSE0 = zjax.ZeroConfig(max_reuse_distance=0)
 SHARDED = zjax.ZeroConfig(param_persistence_threshold=0, max_reuse_distance=0)
-conv = functools.partial(jax.lax.conv_general_dilated, window_strides=(1, 1),
-                         padding="SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+conv = functools.partial(
+  jax.lax.conv_general_dilated,
+  window_strides=(1, 1),
+  padding="SAME",
+  dimension_numbers=("NHWC", "HWIO", "NHWC"),
+)
 
 
 def conv_net(p, batch):
@@ -37,10 +41,12 @@ def conv_net(p, batch):
 
 def conv_case(batch_size=16):
   k = jax.random.split(jax.random.key(0), 5)
-  params = {"c1": jax.random.normal(k[0], (3, 3, 3, 8)) / 5,
-            "c2": jax.random.normal(k[1], (3, 3, 8, 8)) / 8,
-            "c3": jax.random.normal(k[2], (3, 3, 8, 8)) / 8,
-            "head": jax.random.normal(k[3], (8, 64)) / 3}
+  params = {
+    "c1": jax.random.normal(k[0], (3, 3, 3, 8)) / 5,
+    "c2": jax.random.normal(k[1], (3, 3, 8, 8)) / 8,
+    "c3": jax.random.normal(k[2], (3, 3, 8, 8)) / 8,
+    "head": jax.random.normal(k[3], (8, 64)) / 3,
+  }
   return params, {"x": jax.random.normal(k[4], (batch_size, 12, 12, 3))}
 
 
@@ -56,8 +62,7 @@ def prompt_ops(loss_fn, params, batch, trained=None, persistent=True):
     weights = [a for a in op.inputs if isinstance(a, int) and a in views]
     if op.primitive in segments.SAVED_PRIMITIVES and weights:
       (param,) = views[weights[0]]
-      picked[t.params[param].path] = segments._weight_gradient_first(op, replicated,
-                                                                     perturbed)
+      picked[t.params[param].path] = segments._weight_gradient_first(op, replicated, perturbed)
   return picked
 
 
@@ -66,7 +71,11 @@ def test_the_rule_picks_small_weights_on_differentiated_activations():
   # c1 reads the images (no cotangent wanted); the head's [8, 64] weight is smaller than
   # its [16, 64] output
   assert prompt_ops(conv_net, params, batch) == {
-      "['c1']": False, "['c2']": True, "['c3']": True, "['head']": True}
+    "['c1']": False,
+    "['c2']": True,
+    "['c3']": True,
+    "['head']": True,
+  }
   # a frozen weight has no gradient to compute
   frozen_c3 = [True, True, False, True]  # (leaves in key order: c1, c2, c3, head)
   assert prompt_ops(conv_net, params, batch, frozen_c3)["['c3']"] is False

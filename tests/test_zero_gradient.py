@@ -11,24 +11,29 @@ its gradient; AdamW steps equal optax's; the schedule file round-trips the flag.
 """
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import optax
 import pytest
-from helpers import (assert_parity, assert_report_matches, assert_trees_close, mesh_of,
-                     steps_like_optax)
+from jax import lax
 
 import zjax
+from helpers import (
+  assert_parity,
+  assert_report_matches,
+  assert_trees_close,
+  mesh_of,
+  steps_like_optax,
+)
 
 PERSISTENT = zjax.ZeroConfig()  # every leaf here is under the persistence threshold
 SHARDED = zjax.ZeroConfig(param_persistence_threshold=0)
 READS = {
-    "stop_gradient": lambda h, s: h * lax.stop_gradient(s),
-    "comparison": lambda h, s: jnp.where(s > 0.5, h, 0.0),
-    "round": lambda h, s: h * jnp.round(s),
-    "both ways": lambda h, s: h * lax.stop_gradient(s) + s,  # (a gradient flows)
-    # through complex values (a gradient flows)
-    "complex": lambda h, s: jnp.real(jnp.fft.ifft(jnp.fft.fft(h * s))),
+  "stop_gradient": lambda h, s: h * lax.stop_gradient(s),
+  "comparison": lambda h, s: jnp.where(s > 0.5, h, 0.0),
+  "round": lambda h, s: h * jnp.round(s),
+  "both ways": lambda h, s: h * lax.stop_gradient(s) + s,  # (a gradient flows)
+  # through complex values (a gradient flows)
+  "complex": lambda h, s: jnp.real(jnp.fft.ifft(jnp.fft.fft(h * s))),
 }
 FLOWS = ("both ways", "complex")
 
@@ -37,14 +42,17 @@ def make_loss(read):
   def loss(p, batch):
     h = READS[read](batch["x"] @ p["w"], p["scale"])
     return jnp.mean((jnp.tanh(h) @ p["v"]) ** 2)
+
   return loss
 
 
 def case():
   k = jax.random.split(jax.random.key(0), 4)
-  params = {"scale": 1.0 + jax.random.normal(k[0], (32,)) / 4,
-            "v": jax.random.normal(k[1], (32, 4)) / 5,
-            "w": jax.random.normal(k[2], (16, 32)) / 4}
+  params = {
+    "scale": 1.0 + jax.random.normal(k[0], (32,)) / 4,
+    "v": jax.random.normal(k[1], (32, 4)) / 5,
+    "w": jax.random.normal(k[2], (16, 32)) / 4,
+  }
   return params, {"x": jax.random.normal(k[3], (16, 16))}
 
 
@@ -69,8 +77,7 @@ def test_adamw_still_decays_a_zero_gradient_parameter(config):
   schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=config)
   optimizer = optax.adamw(1e-2, weight_decay=0.5)
   trainer = zjax.zero3(loss, optimizer, schedule, mesh=mesh)
-  state, ref = steps_like_optax(trainer, trainer.init(params), loss, optimizer, params,
-                                batch, 2)
+  state, ref = steps_like_optax(trainer, trainer.init(params), loss, optimizer, params, batch, 2)
   trained = jax.device_get(trainer.gather_params(state))
   assert_trees_close(trained, ref)
   assert not jnp.allclose(trained["scale"], params["scale"])  # decayed, not skipped
@@ -98,15 +105,19 @@ def residual_stack(p, batch):
   for i in range(4):
     layer = p[f"layer{i}"]
     h = jnp.tanh(h @ layer["w"]) * lax.stop_gradient(layer["scale"]) + h
-  return jnp.mean(h ** 2)
+  return jnp.mean(h**2)
 
 
 @pytest.mark.parametrize("n", [8, 4])
 def test_rolled_layers_gather_but_do_not_reduce_a_zero_gradient(n):
   k = jax.random.split(jax.random.key(1), 9)
-  params = {f"layer{i}": {"w": jax.random.normal(k[i], (32, 32)) / 6,
-                          "scale": 1 + jax.random.normal(k[4 + i], (32,)) / 5}
-            for i in range(4)}
+  params = {
+    f"layer{i}": {
+      "w": jax.random.normal(k[i], (32, 32)) / 6,
+      "scale": 1 + jax.random.normal(k[4 + i], (32,)) / 5,
+    }
+    for i in range(4)
+  }
   batch = {"x": jax.random.normal(k[8], (16, 32))}
   schedule, compiled = assert_parity(residual_stack, params, batch, n=n, config=SHARDED)
   rolled = [b for b in schedule.buckets if b.layers]

@@ -14,40 +14,39 @@ Public API (everything else lives in `zjax._src` and may change):
   export_params     a checkpoint's natural-shape params (numpy), optionally as plain orbax
 """
 
+from zjax import distributed, hlo
 from zjax._src.checkpoint import CheckpointError, CheckpointManager, export_params
 from zjax._src.config import ZeroConfig
-from zjax import distributed, hlo
 from zjax._src.errors import ScheduleError, ScheduleMismatchError, TraceError, ZjaxError
 from zjax._src.execute import value_and_grad
 from zjax._src.layout import per_device_bytes, shard, unshard
 from zjax._src.plan import compile_schedule
-from zjax._src.train import NonFiniteError, TrainState, Zero3, sharded_init, zero3
 from zjax._src.schedule import Schedule
 from zjax._src.trace import trace_program
+from zjax._src.train import NonFiniteError, TrainState, Zero3, sharded_init, zero3
 from zjax._src.version import __version__  # noqa: F401 (re-exported)
 
 __all__ = [
-    "distributed",
-    "ZeroConfig",
-    "compile_schedule",
-    "Schedule",
-    "trace_program",
-    "shard",
-    "unshard",
-    "value_and_grad",
-    "hlo",
-    "zero3",
-    "sharded_init",
-    "per_device_bytes",
-    "Zero3",
-    "TrainState",
-    "NonFiniteError",
-    "CheckpointManager",
-    "CheckpointError",
-    "export_params",
-    "ZjaxError",
-    "TraceError",
-    "ScheduleError",
-    "ScheduleMismatchError",
+  "distributed",
+  "ZeroConfig",
+  "compile_schedule",
+  "Schedule",
+  "trace_program",
+  "shard",
+  "unshard",
+  "value_and_grad",
+  "hlo",
+  "zero3",
+  "sharded_init",
+  "per_device_bytes",
+  "Zero3",
+  "TrainState",
+  "NonFiniteError",
+  "CheckpointManager",
+  "CheckpointError",
+  "export_params",
+  "ZjaxError",
+  "TraceError",
+  "ScheduleError",
+  "ScheduleMismatchError",
 ]
-

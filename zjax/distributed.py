@@ -33,16 +33,20 @@ def initialize() -> bool:
   if ENV_COORDINATOR not in os.environ:
     return False
   import jax
+
   from zjax.cli.devices import setup
+
   local = int(os.environ.get(ENV_LOCAL_DEVICES, "1"))
   setup(local)  # simulated CPU devices (the CPU backend only)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   timeout = int(float(os.environ.get(ENV_TIMEOUT, "60")))
   jax.distributed.initialize(
-      coordinator_address=os.environ[ENV_COORDINATOR],
-      num_processes=int(os.environ[ENV_NUM_PROCESSES]),
-      process_id=int(os.environ[ENV_PROCESS_ID]),
-      initialization_timeout=timeout, heartbeat_timeout_seconds=timeout)
+    coordinator_address=os.environ[ENV_COORDINATOR],
+    num_processes=int(os.environ[ENV_NUM_PROCESSES]),
+    process_id=int(os.environ[ENV_PROCESS_ID]),
+    initialization_timeout=timeout,
+    heartbeat_timeout_seconds=timeout,
+  )
   _exit_at_once_on_error()
   return True
 
@@ -70,7 +74,8 @@ def global_batch(local_batch, mesh, axis="fsdp"):
   0-d leaves are replicated and must be equal in every process). In a one-process run it
   is the batch itself, placed on the mesh."""
   import jax
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
 
   def place(x):
     x = np.asarray(x)
@@ -84,20 +89,25 @@ def _mocked_processes() -> bool:
   """A mock GPU topology (`jax_mock_gpu_topology`, `mock_num_gpu_processes`): one process
   stands for all, its collectives move no data, so processes cannot be compared."""
   from jax._src import xla_bridge
+
   topology = getattr(xla_bridge, "MOCK_GPU_TOPOLOGY", None)
   processes = getattr(xla_bridge, "MOCK_NUM_GPU_PROCESSES", None)
-  return bool(topology is not None and topology.value) or \
-      bool(processes is not None and processes.value)
+  return bool(topology is not None and topology.value) or bool(
+    processes is not None and processes.value
+  )
 
 
 def check_same_schedule(schedule) -> None:
   """Every process must run the same schedule; otherwise fail here, naming the processes
   that differ, instead of hanging in a collective."""
   import jax
+
   if jax.process_count() == 1 or _mocked_processes():
     return
   from jax.experimental import multihost_utils
+
   from zjax._src.errors import ScheduleMismatchError
+
   mine = np.frombuffer(bytes.fromhex(schedule.fingerprint), np.uint8)
   summary = np.array([len(schedule.params), schedule.num_ops, schedule.num_devices])
   fingerprints = np.asarray(multihost_utils.process_allgather(mine))
@@ -106,9 +116,11 @@ def check_same_schedule(schedule) -> None:
   differing = [p for p in range(len(fingerprints)) if (fingerprints[p] != reference).any()]
   if differing:
     described = "; ".join(
-        f"process {p}: fingerprint {bytes(fingerprints[p]).hex()[:12]}, "
-        f"{summaries[p][0]} params, {summaries[p][1]} ops, {summaries[p][2]} devices"
-        for p in [0] + differing)
+      f"process {p}: fingerprint {bytes(fingerprints[p]).hex()[:12]}, "
+      f"{summaries[p][0]} params, {summaries[p][1]} ops, {summaries[p][2]} devices"
+      for p in [0] + differing
+    )
     raise ScheduleMismatchError(
-        f"Processes {differing} traced a different schedule than process 0 ({described}). "
-        f"Every process must build the same model, loss and config.")
+      f"Processes {differing} traced a different schedule than process 0 ({described}). "
+      f"Every process must build the same model, loss and config."
+    )

@@ -26,9 +26,12 @@ def _require_docstrings(app, what, name, obj, options, lines):
   """A public object documented without a docstring is a warning (an error under -W)."""
   if not any(line.strip() for line in lines) and what in ("function", "class", "module"):
     from sphinx.util import logging
+
     logging.getLogger(__name__).warning(
-        f"{name}: public {what} without a docstring (write one: the reference is built "
-        f"from them)", type="zjax", subtype="docstring")
+      f"{name}: public {what} without a docstring (write one: the reference is built from them)",
+      type="zjax",
+      subtype="docstring",
+    )
 
 
 def setup(app):

@@ -34,7 +34,8 @@ from jax.sharding import PartitionSpec as P
 
 from zjax._src import ir, layout, offload, preemption
 from zjax._src import restore_plan as plan
-from zjax._src.restore_plan import CheckpointError, Leaf as _Leaf
+from zjax._src.restore_plan import CheckpointError
+from zjax._src.restore_plan import Leaf as _Leaf
 from zjax._src.version import __version__
 
 FORMAT = "zjax-checkpoint-v1"
@@ -56,21 +57,27 @@ class CheckpointManager:
     >>> state = ckpt.restore()          # latest step, in trainer's layout # doctest: +SKIP
   """
 
-  def __init__(self, directory, trainer=None, *, max_to_keep: int | None = None,
-               async_save: bool = True):
+  def __init__(
+    self, directory, trainer=None, *, max_to_keep: int | None = None, async_save: bool = True
+  ):
     self.directory = os.path.abspath(os.fspath(directory))
     self.trainer = trainer
     try:
       os.makedirs(self.directory, exist_ok=True)
       _check_writable(self.directory)
       self._manager = ocp.CheckpointManager(
-          self.directory, item_names=("state", "zjax"),
-          options=ocp.CheckpointManagerOptions(
-              max_to_keep=max_to_keep, cleanup_tmp_directories=True,
-              enable_async_checkpointing=async_save))
+        self.directory,
+        item_names=("state", "zjax"),
+        options=ocp.CheckpointManagerOptions(
+          max_to_keep=max_to_keep,
+          cleanup_tmp_directories=True,
+          enable_async_checkpointing=async_save,
+        ),
+      )
     except OSError as e:
-      raise CheckpointError(f"Cannot use checkpoint directory {self.directory}: {e}. Choose "
-                            f"a writable directory.") from None
+      raise CheckpointError(
+        f"Cannot use checkpoint directory {self.directory}: {e}. Choose a writable directory."
+      ) from None
 
   # ---- steps ----------------------------------------------------------------------------
 
@@ -132,25 +139,35 @@ class CheckpointManager:
     step = int(step)
     self._manager.wait_until_finished()  # a previous save may still be writing this step
     if step in self._manager.all_steps():
-      raise CheckpointError(f"Step {step} already exists in {self.directory}; nothing was "
-                            f"written. Save under a new step or delete that directory.")
+      raise CheckpointError(
+        f"Step {step} already exists in {self.directory}; nothing was "
+        f"written. Save under a new step or delete that directory."
+      )
     tree, leaves = _to_stored(state, trainer.schedule)
-    sums = _checksums(tree, _rows({part: [(leaf.key, leaf.row) for leaf in ls]
-                                   for part, ls in leaves.items()}))
-    leaves = {part: [dataclasses.replace(leaf, checksum=sums[part][leaf.key]) for leaf in ls]
-              for part, ls in leaves.items()}
+    sums = _checksums(
+      tree, _rows({part: [(leaf.key, leaf.row) for leaf in ls] for part, ls in leaves.items()})
+    )
+    leaves = {
+      part: [dataclasses.replace(leaf, checksum=sums[part][leaf.key]) for leaf in ls]
+      for part, ls in leaves.items()
+    }
     manifest = {
-        "format": FORMAT, "zjax_version": __version__, "train_step": int(state.step),
-        "num_devices": trainer.schedule.num_devices,
-        "schedule": trainer.schedule.to_json(),
-        **{part: [dataclasses.asdict(leaf) for leaf in ls] for part, ls in leaves.items()},
+      "format": FORMAT,
+      "zjax_version": __version__,
+      "train_step": int(state.step),
+      "num_devices": trainer.schedule.num_devices,
+      "schedule": trainer.schedule.to_json(),
+      **{part: [dataclasses.asdict(leaf) for leaf in ls] for part, ls in leaves.items()},
     }
     try:
-      self._manager.save(step, args=ocp.args.Composite(
-          state=ocp.args.PyTreeSave(tree), zjax=ocp.args.JsonSave(manifest)))
+      self._manager.save(
+        step,
+        args=ocp.args.Composite(state=ocp.args.PyTreeSave(tree), zjax=ocp.args.JsonSave(manifest)),
+      )
     except OSError as e:
-      raise CheckpointError(f"Saving step {step} to {self.directory} failed: {e}. Earlier "
-                            f"steps are intact.") from None
+      raise CheckpointError(
+        f"Saving step {step} to {self.directory} failed: {e}. Earlier steps are intact."
+      ) from None
 
   # ---- restore --------------------------------------------------------------------------
 
@@ -163,12 +180,22 @@ class CheckpointManager:
     step = self._resolve_step(step)
     manifest = self._manifest(step)
     where = f"checkpoint step {step} in {self.directory}"
-    saved = {part: [_Leaf(**{**d, "shape": tuple(d["shape"]), "stored": tuple(d["stored"]),
-                             "members": tuple(d.get("members", ()))})
-                    for d in manifest[part]] for part in ("params", "opt", "extra")}
+    saved = {
+      part: [
+        _Leaf(
+          **{
+            **d,
+            "shape": tuple(d["shape"]),
+            "stored": tuple(d["stored"]),
+            "members": tuple(d.get("members", ())),
+          }
+        )
+        for d in manifest[part]
+      ]
+      for part in ("params", "opt", "extra")
+    }
     plan.check_params(saved["params"], trainer.schedule, where)
-    target = like if like is not None else trainer.abstract_state(
-        _extra_template(saved["extra"]))
+    target = like if like is not None else trainer.abstract_state(_extra_template(saved["extra"]))
     items, plans = plan.restore_plan(saved, target, trainer.schedule, where)
     restored = self._read(step, items, manifest, where)
     _verify_checksums(restored, saved, items, where)
@@ -178,47 +205,60 @@ class CheckpointManager:
     tree = {part: {k: v for k, (v, _, _) in entries.items()} for part, entries in items.items()}
     args = {part: {k: a for k, (_, a, _) in entries.items()} for part, entries in items.items()}
     try:
-      return self._manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.PyTreeRestore(item=tree, restore_args=args)))["state"]
+      return self._manager.restore(
+        step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(item=tree, restore_args=args))
+      )["state"]
     except Exception as e:  # tensorstore / orbax errors: find the leaf that fails
       culprit = self._failing_leaf(step, tree, args, manifest)
       raise CheckpointError(
-          f"Cannot read {where}{culprit}: the data files are missing, truncated or corrupted "
-          f"({_first_line(e)}). Restore another step ({self.all_steps()}) or re-create the "
-          f"checkpoint.") from None
+        f"Cannot read {where}{culprit}: the data files are missing, truncated or corrupted "
+        f"({_first_line(e)}). Restore another step ({self.all_steps()}) or re-create the "
+        f"checkpoint."
+      ) from None
 
   def _failing_leaf(self, step, tree, args, manifest) -> str:
     """Which leaf cannot be read (each tried alone), for the error message."""
     for part, entries in tree.items():
       for key in entries:
         try:
-          self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-              item={part: {key: entries[key]}}, restore_args={part: {key: args[part][key]}},
-              partial_restore=True)))
+          self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+              state=ocp.args.PyTreeRestore(
+                item={part: {key: entries[key]}},
+                restore_args={part: {key: args[part][key]}},
+                partial_restore=True,
+              )
+            ),
+          )
         except Exception:  # noqa: BLE001 -- any failure identifies the leaf
           return f", {_describe(part, key, manifest)}"
     return ""
 
   def _manifest(self, step) -> dict:
     try:
-      manifest = self._manager.restore(step, args=ocp.args.Composite(
-          zjax=ocp.args.JsonRestore()))["zjax"]
+      manifest = self._manager.restore(step, args=ocp.args.Composite(zjax=ocp.args.JsonRestore()))[
+        "zjax"
+      ]
     except Exception as e:
       raise CheckpointError(
-          f"Checkpoint step {step} in {self.directory} has no readable zjax manifest "
-          f"({_first_line(e)}): it is incomplete or not a zjax checkpoint. Restore another "
-          f"step ({self.all_steps()}).") from None
+        f"Checkpoint step {step} in {self.directory} has no readable zjax manifest "
+        f"({_first_line(e)}): it is incomplete or not a zjax checkpoint. Restore another "
+        f"step ({self.all_steps()})."
+      ) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
       raise CheckpointError(
-          f"Checkpoint step {step} in {self.directory} is not a {FORMAT} checkpoint "
-          f"(format {manifest.get('format') if isinstance(manifest, dict) else None!r}).")
+        f"Checkpoint step {step} in {self.directory} is not a {FORMAT} checkpoint "
+        f"(format {manifest.get('format') if isinstance(manifest, dict) else None!r})."
+      )
     return manifest
 
   def _resolve_step(self, step) -> int:
     steps = self.all_steps()
     if not steps:
-      raise CheckpointError(f"No checkpoint in {self.directory}. Check the directory, or "
-                            f"start from init.")
+      raise CheckpointError(
+        f"No checkpoint in {self.directory}. Check the directory, or start from init."
+      )
     if step is None:
       return steps[-1]
     if step not in steps:
@@ -228,12 +268,15 @@ class CheckpointManager:
   def _trainer(self, trainer, what):
     trainer = trainer if trainer is not None else self.trainer
     if trainer is None or not hasattr(trainer, "abstract_state"):
-      raise CheckpointError(f"{what} needs the zero3 trainer (its schedule and mesh): pass "
-                            f"CheckpointManager(directory, trainer) or {what}(..., trainer).")
+      raise CheckpointError(
+        f"{what} needs the zero3 trainer (its schedule and mesh): pass "
+        f"CheckpointManager(directory, trainer) or {what}(..., trainer)."
+      )
     return trainer
 
 
 # ---- export ----------------------------------------------------------------------------
+
 
 def export_params(directory, step: int | None = None, *, save_to=None):
   """The natural-shape params of a checkpoint as a pytree of numpy arrays (nested dicts by
@@ -253,19 +296,24 @@ def export_params(directory, step: int | None = None, *, save_to=None):
   manifest = manager._manifest(step)
   where = f"checkpoint step {step} in {manager.directory}"
   if save_to is not None and os.path.exists(save_to):
-    raise CheckpointError(f"Export target {save_to} exists; nothing was written. Choose a new "
-                          f"path.")
+    raise CheckpointError(
+      f"Export target {save_to} exists; nothing was written. Choose a new path."
+    )
   paths, values = [], []
   state_dir = os.path.join(manager.directory, str(step), "state")
   for d in manifest["params"]:
     try:
       value = _read_natural(state_dir, d)
     except Exception as e:  # tensorstore errors: say which parameter, what to do
-      raise CheckpointError(f"Cannot read parameter {d['path']} of {where} ({_first_line(e)}): "
-                            f"the data files are missing, truncated or corrupted.") from None
+      raise CheckpointError(
+        f"Cannot read parameter {d['path']} of {where} ({_first_line(e)}): "
+        f"the data files are missing, truncated or corrupted."
+      ) from None
     if int(_checksum(value, np)) != d["checksum"]:
-      raise CheckpointError(f"Parameter {d['path']} in {where} fails its checksum: the data "
-                            f"was corrupted after it was written.")
+      raise CheckpointError(
+        f"Parameter {d['path']} in {where} fails its checksum: the data "
+        f"was corrupted after it was written."
+      )
     members = d.get("members") or [d["path"]]  # a rolled stack: one row per layer (views)
     paths += members
     values += [value[row] for row in range(len(members))] if d.get("members") else [value]
@@ -280,11 +328,20 @@ def export_params(directory, step: int | None = None, *, save_to=None):
 def _read_natural(state_dir, d) -> np.ndarray:
   """One stored parameter's natural values, read by tensorstore straight into the array
   that is returned (only the natural region: no padding, no staging copy)."""
-  store = ts.open({"driver": "zarr", "kvstore": {
-      "driver": "ocdbt", "base": f"file://{os.path.abspath(state_dir)}/",
-      "path": f"params.{d['key']}"}}, open=True, read=True).result()
+  store = ts.open(
+    {
+      "driver": "zarr",
+      "kvstore": {
+        "driver": "ocdbt",
+        "base": f"file://{os.path.abspath(state_dir)}/",
+        "path": f"params.{d['key']}",
+      },
+    },
+    open=True,
+    read=True,
+  ).result()
   size = int(np.prod(d["shape"], dtype=np.int64))
-  region = store[:, :d.get("row", 0)] if len(d["stored"]) == 2 else store[:size]
+  region = store[:, : d.get("row", 0)] if len(d["stored"]) == 2 else store[:size]
   if tuple(store.shape) != tuple(d["stored"]):
     raise ValueError(f"stored shape {tuple(store.shape)}, manifest says {tuple(d['stored'])}")
   return region.read().result().reshape(d["shape"])
@@ -292,35 +349,43 @@ def _read_natural(state_dir, d) -> np.ndarray:
 
 # ---- the stored form ------------------------------------------------------------------
 
+
 def _to_stored(state, schedule):
   """(orbax tree, leaf descriptions) of a train state; persistent leaves are raveled."""
   n = schedule.num_devices
   # offloaded states save their fp32 masters (host), not the device copies
   masters = getattr(state, "masters", None)
-  param_leaves = layout.stored_leaves(state.params if masters is None else masters,
-                                      schedule, "state.params")
+  param_leaves = layout.stored_leaves(
+    state.params if masters is None else masters, schedule, "state.params"
+  )
   for x, leaf in zip(param_leaves, schedule.storage):
     if tuple(x.shape) != layout.storage_shape(leaf.entry, n):
-      raise CheckpointError(f"state.params leaf {leaf.path} has shape {tuple(x.shape)}, not "
-                            f"the schedule's layout {layout.storage_shape(leaf.entry, n)}.")
-  opt = [(jax.tree_util.keystr(path), x) for path, x in
-         jax.tree_util.tree_flatten_with_path(state.opt_state)[0]]
+      raise CheckpointError(
+        f"state.params leaf {leaf.path} has shape {tuple(x.shape)}, not "
+        f"the schedule's layout {layout.storage_shape(leaf.entry, n)}."
+      )
+  opt = [
+    (jax.tree_util.keystr(path), x)
+    for path, x in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
+  ]
   mirrors = [layout.mirrored_storage(path, x.shape, schedule) for path, x in opt]
   mirrored = [None if k is None else schedule.storage[k] for k in mirrors]
-  saved = _without_slices(list(param_leaves) + [x for _, x in opt],
-                          [leaf.entry for leaf in schedule.storage] +
-                          [None if leaf is None else leaf.entry for leaf in mirrored])
+  saved = _without_slices(
+    list(param_leaves) + [x for _, x in opt],
+    [leaf.entry for leaf in schedule.storage]
+    + [None if leaf is None else leaf.entry for leaf in mirrored],
+  )
   tree = {"params": {}, "opt": {}, "extra": {}}
   leaves = {"params": [], "opt": [], "extra": []}
   for k, (x, leaf) in enumerate(zip(saved, schedule.storage)):
     members = tuple(schedule.params[i].path for i in leaf.members) if leaf.rolled else ()
     _add(tree, leaves, "params", f"p{k:05d}", leaf.path, x, leaf, k, members)
-  for j, ((path, _), x, leaf, index) in enumerate(zip(opt, saved[len(schedule.storage):],
-                                                      mirrored, mirrors)):
+  for j, ((path, _), x, leaf, index) in enumerate(
+    zip(opt, saved[len(schedule.storage) :], mirrored, mirrors)
+  ):
     _add(tree, leaves, "opt", f"o{j:05d}", path, x, leaf, index)
   for j, (path, x) in enumerate(jax.tree_util.tree_flatten_with_path(state.extra)[0]):
-    _add(tree, leaves, "extra", f"e{j:05d}", jax.tree_util.keystr(path), jnp.asarray(x),
-         None, None)
+    _add(tree, leaves, "extra", f"e{j:05d}", jax.tree_util.keystr(path), jnp.asarray(x), None, None)
   return tree, leaves
 
 
@@ -334,8 +399,9 @@ def _add(tree, leaves, part, key, path, x, leaf, index, members=()):
   dtype = jnp.dtype(x.dtype).name
   row = entry.layer_size if entry is not None and entry.stacked else 0
   tree[part][key] = x
-  leaves[part].append(_Leaf(key, path, shape, dtype, tuple(x.shape), index, row=row,
-                            members=members))
+  leaves[part].append(
+    _Leaf(key, path, shape, dtype, tuple(x.shape), index, row=row, members=members)
+  )
 
 
 @jax.jit
@@ -350,13 +416,17 @@ def _without_slices(xs, entries) -> list:
   row, as a stack without tensor parallelism is stored), so that a checkpoint does not
   depend on the tensor axis and restores on any mesh, with or without one. One program for
   all of them."""
-  split = [k for k, e in enumerate(entries)
-           if e is not None and e.tensor_dim is not None and not e.persistent]
+  split = [
+    k
+    for k, e in enumerate(entries)
+    if e is not None and e.tensor_dim is not None and not e.persistent
+  ]
   if not split:
     return list(xs)
   out = list(xs)
-  flat = _flat_natural(tuple(xs[k] for k in split), tuple(entries[k] for k in split),
-                       xs[split[0]].sharding.mesh)
+  flat = _flat_natural(
+    tuple(xs[k] for k in split), tuple(entries[k] for k in split), xs[split[0]].sharding.mesh
+  )
   for k, x in zip(split, flat):
     out[k] = x
   return out
@@ -370,8 +440,9 @@ def _flat_natural(xs, entries, mesh):
     natural = layout.natural_from_storage(x, entry)
     if entry.stacked:  # rows [L, padded layer]
       rows = natural.reshape(entry.shape[0], -1)
-      rows = jnp.pad(rows, ((0, 0), (0, ir.padded_size(entry.layer_size, mesh.size)
-                                     - entry.layer_size)))
+      rows = jnp.pad(
+        rows, ((0, 0), (0, ir.padded_size(entry.layer_size, mesh.size) - entry.layer_size))
+      )
       out.append(layout.place(rows, mesh, P(None, devices)))
       continue
     flat = jnp.pad(natural.reshape(-1), (0, ir.padded_size(entry.size, mesh.size) - entry.size))
@@ -382,8 +453,10 @@ def _flat_natural(xs, entries, mesh):
 @functools.partial(jax.jit, static_argnums=1)
 def _checksum_tree(tree, rows):
   rows = {(part, key): row for part, key, row in rows}
-  return {part: {key: _checksum_where_it_is(x, rows.get((part, key), 0))
-                 for key, x in leaves.items()} for part, leaves in tree.items()}
+  return {
+    part: {key: _checksum_where_it_is(x, rows.get((part, key), 0)) for key, x in leaves.items()}
+    for part, leaves in tree.items()
+  }
 
 
 def _checksum_where_it_is(x, row):
@@ -396,8 +469,9 @@ def _checksum_where_it_is(x, row):
 
 def _rows(rows_by_part) -> tuple:
   """{part: [(key, row)]} as the static argument of `_checksum_tree`."""
-  return tuple((part, key, row) for part, pairs in rows_by_part.items()
-               for key, row in pairs if row)
+  return tuple(
+    (part, key, row) for part, pairs in rows_by_part.items() for key, row in pairs if row
+  )
 
 
 def _checksum(x, xp=jnp, row=0):
@@ -439,10 +513,11 @@ def _host_checksum(flat: np.ndarray) -> np.uint32:
   words = 2 if flat.dtype.itemsize == 8 else 1  # uint32 words per value
   total = 0
   for start in range(0, flat.shape[0], _BLOCK):
-    block = _bits(flat[start:start + _BLOCK], lambda v, w: v.view(w)).reshape(-1)
+    block = _bits(flat[start : start + _BLOCK], lambda v, w: v.view(w)).reshape(-1)
     first = start * words
-    weights = np.arange(first, first + block.shape[0], dtype=np.uint32) * np.uint32(2) + \
-        np.uint32(1)
+    weights = np.arange(first, first + block.shape[0], dtype=np.uint32) * np.uint32(2) + np.uint32(
+      1
+    )
     total = (total + int(np.sum(block * weights, dtype=np.uint32))) & 0xFFFFFFFF
   return np.uint32(total)
 
@@ -453,27 +528,38 @@ def _checksums(tree, rows=()) -> dict:
 
 # ---- restore planning -----------------------------------------------------------------
 
+
 def _extra_template(saved_extra):
   if not saved_extra:
     return None
-  return layout.tree_from_paths([leaf.path for leaf in saved_extra],
-                                [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-                                 for leaf in saved_extra])
+  return layout.tree_from_paths(
+    [leaf.path for leaf in saved_extra],
+    [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in saved_extra],
+  )
 
 
 def _verify_checksums(restored, saved, items, where):
-  sums = _checksums(restored, tuple((part, key, row) for part, entries in items.items()
-                                    for key, (_, _, row) in entries.items() if row))
+  sums = _checksums(
+    restored,
+    tuple(
+      (part, key, row)
+      for part, entries in items.items()
+      for key, (_, _, row) in entries.items()
+      if row
+    ),
+  )
   for part, leaves in saved.items():
     for leaf in leaves:
       if sums[part][leaf.key] != leaf.checksum:
         raise CheckpointError(
-            f"{plan.what(part)} {leaf.path} in {where} fails its checksum: the data was "
-            f"corrupted after it was written. Restore another step or re-create the "
-            f"checkpoint.")
+          f"{plan.what(part)} {leaf.path} in {where} fails its checksum: the data was "
+          f"corrupted after it was written. Restore another step or re-create the "
+          f"checkpoint."
+        )
 
 
 # ---- helpers --------------------------------------------------------------------------
+
 
 def _describe(part, key, manifest) -> str:
   for d in manifest.get(part, []):

@@ -23,8 +23,11 @@ def unpack_wire(wire, chunks, entries, num_devices: int, quantization=None) -> l
   and dtype) are these -> each member's whole natural-shape value (dequantized to the
   chunks' dtype when the wire is quantized)."""
   length, dtype = sum(c.shape[0] for c in chunks), chunks[0].dtype
-  full = (layout.from_wire(wire, dtype, length) if quantization is None else
-          quantize.unpack(wire, quantization, length, dtype))
+  full = (
+    layout.from_wire(wire, dtype, length)
+    if quantization is None
+    else quantize.unpack(wire, quantization, length, dtype)
+  )
   return layout.unpack_gathered(full, entries, num_devices)
 
 
@@ -49,8 +52,9 @@ def gather_from_secondary(secondary, shard_axes):
   return jnp.swapaxes(parts, 0, 1).reshape(-1, secondary.shape[-1])
 
 
-def reduce_scatter_bucket(grads, entries, num_devices: int, axes, wire_dtype,
-                          mean_over=(), quantization=None) -> list:
+def reduce_scatter_bucket(
+  grads, entries, num_devices: int, axes, wire_dtype, mean_over=(), quantization=None
+) -> list:
   """Each member's whole gradient (natural shape, one dtype) -> this device's chunk of the
   gradient averaged over the N devices of `axes`, in that dtype; summed in `wire_dtype`
   (ir.reduce_wire_dtype). HSDP (`mean_over`: the replicate axes) then averages the chunk
@@ -59,8 +63,7 @@ def reduce_scatter_bucket(grads, entries, num_devices: int, axes, wire_dtype,
   the receiver dequantizes and sums them in float32."""
   packed = layout.pack_for_scatter(grads, entries, num_devices)
   if quantization is None:
-    mine = lax.psum_scatter(packed.astype(wire_dtype), axes, scatter_dimension=0,
-                            tiled=False)
+    mine = lax.psum_scatter(packed.astype(wire_dtype), axes, scatter_dimension=0, tiled=False)
   else:
     sent = quantize.pack(packed, quantization)  # row d: device d's chunk, quantized
     received = lax.all_to_all(sent, axes, 0, 0, tiled=False)  # row d: from device d

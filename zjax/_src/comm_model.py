@@ -33,14 +33,19 @@ GB = 1e9
 @dataclasses.dataclass(frozen=True)
 class Link:
   """One mesh axis's network: per-device bandwidth (bytes/s) and latency per ring step (s)."""
+
   bandwidth: float
   latency: float
 
   def __post_init__(self):
     for name in ("bandwidth", "latency"):
       value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
-          name == "bandwidth" and value == 0):
+      if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or value < 0
+        or (name == "bandwidth" and value == 0)
+      ):
         rule = "positive" if name == "bandwidth" else "non-negative"
         raise ValueError(f"Link.{name} must be a {rule} number, got {value!r}.")
 
@@ -73,8 +78,7 @@ def predict(schedule, links: dict[str, Link] | None = None) -> dict:
   links = default_links(sizes) if links is None else links
   missing = [a for a in sizes if a not in links]
   if missing:
-    raise ValueError(f"No Link for mesh axis {missing[0]!r}; give one per axis of "
-                     f"{list(sizes)}.")
+    raise ValueError(f"No Link for mesh axis {missing[0]!r}; give one per axis of {list(sizes)}.")
   by_axis: dict[str, dict] = {}
   total = 0.0
   for kind, axes, nbytes in executed_collectives(schedule, schedule._simulation):
@@ -105,8 +109,7 @@ def layouts(config: ZeroConfig, axes) -> dict[str, ZeroConfig]:
   HSDP (shard over the last axis, replicate over the others) and hpZ (HSDP's replica
   groups, storage over every axis, backward re-gathers inside the node)."""
   axes = tuple(axes)
-  base = dataclasses.replace(config, shard_axes=axes, replicate_axes=(),
-                             secondary_partition=False)
+  base = dataclasses.replace(config, shard_axes=axes, replicate_axes=(), secondary_partition=False)
   out = {"flat ZeRO-3": base}
   if len(axes) > 1:
     hsdp = dataclasses.replace(base, shard_axes=axes[-1:], replicate_axes=axes[:-1])
@@ -115,9 +118,14 @@ def layouts(config: ZeroConfig, axes) -> dict[str, ZeroConfig]:
   return out
 
 
-def compare(trace, config: ZeroConfig, axis_sizes: dict[str, int],
-            links: dict[str, Link] | None = None, platform: str = "",
-            tensor=None) -> list[dict]:
+def compare(
+  trace,
+  config: ZeroConfig,
+  axis_sizes: dict[str, int],
+  links: dict[str, Link] | None = None,
+  platform: str = "",
+  tensor=None,
+) -> list[dict]:
   """Plan the traced program under each of `layouts` for a mesh of `axis_sizes` (data axis ->
   size, the node axis last) and predict each one's step: [{"layout", "schedule",
   "state_bytes_per_device", "seconds", "by_axis"}], in layout order. `tensor`: tensor
@@ -126,11 +134,15 @@ def compare(trace, config: ZeroConfig, axis_sizes: dict[str, int],
   links = default_links((*axis_sizes, *config.tensor_axes)) if links is None else links
   rows = []
   for name, layout_config in layouts(config, axis_sizes).items():
-    schedule = plan_schedule(trace, layout_config, axis_sizes, platform=platform,
-                             tensor=tensor)
+    schedule = plan_schedule(trace, layout_config, axis_sizes, platform=platform, tensor=tensor)
     report = schedule.report()
-    rows.append({"layout": name, "schedule": schedule,
-                 "state_bytes_per_device": report["state_bytes_per_device"],
-                 "secondary_bytes": report["secondary_bytes"],
-                 **predict(schedule, links)})
+    rows.append(
+      {
+        "layout": name,
+        "schedule": schedule,
+        "state_bytes_per_device": report["state_bytes_per_device"],
+        "secondary_bytes": report["secondary_bytes"],
+        **predict(schedule, links),
+      }
+    )
   return rows

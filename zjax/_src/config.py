@@ -9,11 +9,11 @@ import numpy as np
 
 # Knobs measured in parameter elements, as in DeepSpeed's `zero_optimization` section.
 _ELEMENT_KNOBS = {
-    "prefetch_bucket_size": "must be >= 0 (0 disables prefetch)",
-    "max_live_parameters": "must be > 0",
-    "max_reuse_distance": "must be >= 0 (0 releases after every use)",
-    "param_persistence_threshold": "must be >= 0 (0 shards every non-empty parameter)",
-    "sub_group_size": "must be > 0",
+  "prefetch_bucket_size": "must be >= 0 (0 disables prefetch)",
+  "max_live_parameters": "must be > 0",
+  "max_reuse_distance": "must be >= 0 (0 releases after every use)",
+  "param_persistence_threshold": "must be >= 0 (0 shards every non-empty parameter)",
+  "sub_group_size": "must be > 0",
 }
 _POSITIVE_KNOBS = ("max_live_parameters", "sub_group_size")
 GRADIENT_REDUCTIONS = ("once", "per_gather")
@@ -127,8 +127,9 @@ class ZeroConfig:
     fields = {f.name: f for f in dataclasses.fields(self)}
     unknown = sorted(set(values) - set(fields))
     if unknown:
-      raise TypeError(f"ZeroConfig got unknown field(s) {unknown}; fields: {sorted(fields)} "
-                      f"(and axis_name).")
+      raise TypeError(
+        f"ZeroConfig got unknown field(s) {unknown}; fields: {sorted(fields)} (and axis_name)."
+      )
     if axis_name is not None:  # checked here, so that an error names the field given
       values["shard_axes"] = _axis_tuple("axis_name", axis_name, False)
     for name, f in fields.items():
@@ -147,51 +148,66 @@ class ZeroConfig:
       object.__setattr__(self, name, _check_float_dtype(name, getattr(self, name)))
     shard_axes = _axis_tuple("shard_axes", self.shard_axes, False)
     object.__setattr__(self, "shard_axes", shard_axes)
-    object.__setattr__(self, "replicate_axes", _check_replicate_axes(self.replicate_axes,
-                                                                     shard_axes))
-    object.__setattr__(self, "tensor_axes", _check_tensor_axes(self.tensor_axes,
-                                                               self.data_axes))
+    object.__setattr__(
+      self, "replicate_axes", _check_replicate_axes(self.replicate_axes, shard_axes)
+    )
+    object.__setattr__(self, "tensor_axes", _check_tensor_axes(self.tensor_axes, self.data_axes))
     if not isinstance(self.secondary_partition, bool):
-      raise ValueError(f"ZeroConfig.secondary_partition must be True or False, got "
-                       f"{self.secondary_partition!r}.")
+      raise ValueError(
+        f"ZeroConfig.secondary_partition must be True or False, got {self.secondary_partition!r}."
+      )
     if self.secondary_partition and not self.replicate_axes:
-      raise ValueError("ZeroConfig.secondary_partition (hpZ) needs replicate_axes: the "
-                       "secondary shard spans the shard axes inside each replica group (e.g. "
-                       "a node); without a replicate axis set replicate_axes=('replica',) "
-                       "on a 2-D mesh, or leave secondary_partition False.")
+      raise ValueError(
+        "ZeroConfig.secondary_partition (hpZ) needs replicate_axes: the "
+        "secondary shard spans the shard axes inside each replica group (e.g. "
+        "a node); without a replicate axis set replicate_axes=('replica',) "
+        "on a 2-D mesh, or leave secondary_partition False."
+      )
     if self.gradient_reduction not in GRADIENT_REDUCTIONS:
-      raise ValueError(f"ZeroConfig.gradient_reduction must be one of "
-                       f"{list(GRADIENT_REDUCTIONS)}, got {self.gradient_reduction!r}.")
+      raise ValueError(
+        f"ZeroConfig.gradient_reduction must be one of "
+        f"{list(GRADIENT_REDUCTIONS)}, got {self.gradient_reduction!r}."
+      )
     for name in ("fold_rng_keys", "roll_layers"):
       if not isinstance(getattr(self, name), bool):
-        raise ValueError(f"ZeroConfig.{name} must be True or False, got "
-                         f"{getattr(self, name)!r}.")
+        raise ValueError(f"ZeroConfig.{name} must be True or False, got {getattr(self, name)!r}.")
     self._check_quantization()
 
   def _check_quantization(self):
-    for name, known in (("gather_quantization", GATHER_QUANTIZATIONS),
-                        ("reduce_quantization", REDUCE_QUANTIZATIONS)):
+    for name, known in (
+      ("gather_quantization", GATHER_QUANTIZATIONS),
+      ("reduce_quantization", REDUCE_QUANTIZATIONS),
+    ):
       value = getattr(self, name)
       if value is not None and value not in known:
-        raise ValueError(f"ZeroConfig.{name} must be None or one of {list(known)}, got "
-                         f"{value!r}.")
+        raise ValueError(f"ZeroConfig.{name} must be None or one of {list(known)}, got {value!r}.")
     block = self.quantization_block
     if isinstance(block, bool) or not isinstance(block, numbers.Integral) or block < 1:
-      raise ValueError(f"ZeroConfig.quantization_block must be a positive number of values "
-                       f"per scale, got {block!r}.")
+      raise ValueError(
+        f"ZeroConfig.quantization_block must be a positive number of values "
+        f"per scale, got {block!r}."
+      )
     object.__setattr__(self, "quantization_block", int(block))
     phases = self.gather_quantization_phases
     phases = (phases,) if isinstance(phases, str) else phases
-    if not isinstance(phases, (tuple, list)) or not phases or \
-        any(p not in PHASES for p in phases) or len(set(phases)) != len(phases):
-      raise ValueError(f"ZeroConfig.gather_quantization_phases must name 'forward' and/or "
-                       f"'backward' (each once), got {self.gather_quantization_phases!r}.")
+    if (
+      not isinstance(phases, (tuple, list))
+      or not phases
+      or any(p not in PHASES for p in phases)
+      or len(set(phases)) != len(phases)
+    ):
+      raise ValueError(
+        f"ZeroConfig.gather_quantization_phases must name 'forward' and/or "
+        f"'backward' (each once), got {self.gather_quantization_phases!r}."
+      )
     phases = tuple(p for p in PHASES if p in phases)
     object.__setattr__(self, "gather_quantization_phases", phases)
     if self.secondary_partition and self.gather_quantization and phases != PHASES:
-      raise ValueError(f"ZeroConfig.gather_quantization_phases is {list(phases)}, but under "
-                       f"hpZ (secondary_partition) backward re-gathers move the forward "
-                       f"gather's secondary shard: quantize both phases or neither.")
+      raise ValueError(
+        f"ZeroConfig.gather_quantization_phases is {list(phases)}, but under "
+        f"hpZ (secondary_partition) backward re-gathers move the forward "
+        f"gather's secondary shard: quantize both phases or neither."
+      )
 
   def to_dict(self) -> dict:
     """JSON-serialisable form (dtype as its name)."""
@@ -244,8 +260,9 @@ def _check_element_count(name: str, value: Any) -> int:
   rule = _ELEMENT_KNOBS[name]
   if isinstance(value, bool) or not isinstance(value, numbers.Real):
     raise ValueError(
-        f"ZeroConfig.{name} must be a number of parameter elements ({rule}), "
-        f"got {value!r} of type {type(value).__name__}.")
+      f"ZeroConfig.{name} must be a number of parameter elements ({rule}), "
+      f"got {value!r} of type {type(value).__name__}."
+    )
   if not np.isfinite(value) or value != int(value):
     raise ValueError(f"ZeroConfig.{name} must be a whole number of elements, got {value!r}.")
   value = int(value)
@@ -256,10 +273,15 @@ def _check_element_count(name: str, value: Any) -> int:
 
 def _axis_tuple(field: str, given: Any, allow_empty: bool) -> tuple[str, ...]:
   value = (given,) if isinstance(given, str) else given
-  if not isinstance(value, (tuple, list)) or not all(isinstance(a, str) and a for a in value) \
-      or not (value or allow_empty):
-    raise ValueError(f"ZeroConfig.{field} must be a non-empty string naming a mesh axis, or a "
-                     f"tuple of them, got {given!r}.")
+  if (
+    not isinstance(value, (tuple, list))
+    or not all(isinstance(a, str) and a for a in value)
+    or not (value or allow_empty)
+  ):
+    raise ValueError(
+      f"ZeroConfig.{field} must be a non-empty string naming a mesh axis, or a "
+      f"tuple of them, got {given!r}."
+    )
   for i, axis in enumerate(value):
     if axis in value[:i]:
       raise ValueError(f"ZeroConfig.{field} names {axis!r} twice.")
@@ -270,8 +292,10 @@ def _check_replicate_axes(value: Any, shard_axes: tuple[str, ...]) -> tuple[str,
   value = _axis_tuple("replicate_axes", value, True) if value != () else ()
   for axis in value:
     if axis in shard_axes:
-      raise ValueError(f"ZeroConfig.replicate_axes names {axis!r}, an axis parameters are "
-                       f"sharded over (shard_axes): an axis either shards or replicates.")
+      raise ValueError(
+        f"ZeroConfig.replicate_axes names {axis!r}, an axis parameters are "
+        f"sharded over (shard_axes): an axis either shards or replicates."
+      )
   return value
 
 
@@ -279,11 +303,15 @@ def _check_tensor_axes(value: Any, data_axes: tuple[str, ...]) -> tuple[str, ...
   value = _axis_tuple("tensor_axes", value, True) if value != () else ()
   for axis in value:
     if axis in data_axes:
-      raise ValueError(f"ZeroConfig.tensor_axes names {axis!r}, a data axis (shard_axes or "
-                       f"replicate_axes): an axis splits either the batch or the tensors.")
+      raise ValueError(
+        f"ZeroConfig.tensor_axes names {axis!r}, a data axis (shard_axes or "
+        f"replicate_axes): an axis splits either the batch or the tensors."
+      )
   if len(value) > 1:
-    raise ValueError(f"ZeroConfig.tensor_axes names {len(value)} axes {value}; this version "
-                     f"supports one tensor axis. Merge them into one mesh axis.")
+    raise ValueError(
+      f"ZeroConfig.tensor_axes names {len(value)} axes {value}; this version "
+      f"supports one tensor axis. Merge them into one mesh axis."
+    )
   return value
 
 
@@ -294,10 +322,10 @@ def _check_float_dtype(name: str, value: Any):
     dtype = jnp.dtype(value)
   except TypeError as e:
     raise ValueError(
-        f"ZeroConfig.{name} must be None or a floating dtype such as jnp.bfloat16, "
-        f"got {value!r}.") from e
+      f"ZeroConfig.{name} must be None or a floating dtype such as jnp.bfloat16, got {value!r}."
+    ) from e
   if not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(
-        f"ZeroConfig.{name} must be a floating dtype (e.g. bfloat16, float32), "
-        f"got {dtype.name}.")
+      f"ZeroConfig.{name} must be a floating dtype (e.g. bfloat16, float32), got {dtype.name}."
+    )
   return dtype

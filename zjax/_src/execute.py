@@ -31,9 +31,9 @@ from jax.sharding import PartitionSpec as P
 
 from zjax._src import collectives, ir, layout, offload, roll, tensor_parallel, xla_options
 from zjax._src import segments as seg_lib
+from zjax._src.errors import ScheduleMismatchError, ZjaxError
 from zjax._src.execute_loop import Loop
 from zjax._src.execute_rolled import RolledLoop
-from zjax._src.errors import ScheduleMismatchError, ZjaxError
 from zjax._src.schedule import program_hash
 from zjax._src.trace import trace_for_schedule
 
@@ -57,6 +57,7 @@ def value_and_grad(loss_fn: Callable, schedule, *, mesh) -> Callable:
   """
   layout.check_mesh(schedule, mesh)
   from zjax.distributed import check_same_schedule  # multi-process: fail, do not hang
+
   check_same_schedule(schedule)
   runner = _Runner(loss_fn, schedule, mesh)
   return xla_options.jit(runner.step)
@@ -77,16 +78,22 @@ class _Runner:
     treedef = jax.tree_util.tree_structure(sharded_params)
     batch_specs = self._batch_specs(batch)
     program = self._device_program(sharded_params, batch, extra)
-    leaves = [layout.place(x, self.mesh, s)
-              for x, s in zip(leaves, layout.storage_specs(self.schedule))]
+    leaves = [
+      layout.place(x, self.mesh, s) for x, s in zip(leaves, layout.storage_specs(self.schedule))
+    ]
     batch = jax.tree.map(lambda x, s: layout.place(x, self.mesh, s), batch, batch_specs)
     extra_specs = jax.tree.map(lambda _: P(), extra)
     extra = jax.tree.map(lambda x: layout.place(x, self.mesh, P()), extra)
     # tensor parallelism: manual over the data axes only, the tensor axis left to GSPMD
-    manual = ({"axis_names": set(self.data_axes)} if self.schedule.config.tensor_axes
-              else {})
-    run = jax.shard_map(program.run, mesh=self.mesh, in_specs=(specs, batch_specs, extra_specs),
-                        out_specs=((P(), extra_specs), specs), check_vma=False, **manual)
+    manual = {"axis_names": set(self.data_axes)} if self.schedule.config.tensor_axes else {}
+    run = jax.shard_map(
+      program.run,
+      mesh=self.mesh,
+      in_specs=(specs, batch_specs, extra_specs),
+      out_specs=((P(), extra_specs), specs),
+      check_vma=False,
+      **manual,
+    )
     (loss, new_extra), grads = run(leaves, batch, extra)
     grads = jax.tree_util.tree_unflatten(treedef, grads)
     return (loss, grads) if extra is None else ((loss, new_extra), grads)
@@ -98,28 +105,40 @@ class _Runner:
         return P()
       if is_key(x):
         raise ZjaxError(
-            f"Batch leaf {name} is an array of PRNG keys of shape {tuple(x.shape)}; zjax "
-            f"splits batch leaves over the devices and folds each device's position into "
-            f"0-d keys (ZeroConfig.fold_rng_keys). Pass one key, jax.random.key(seed), and "
-            f"draw per-example randomness inside the loss.")
+          f"Batch leaf {name} is an array of PRNG keys of shape {tuple(x.shape)}; zjax "
+          f"splits batch leaves over the devices and folds each device's position into "
+          f"0-d keys (ZeroConfig.fold_rng_keys). Pass one key, jax.random.key(seed), and "
+          f"draw per-example randomness inside the loss."
+        )
       if x.shape[0] % self.data_parallel:
-        hint = (" If it is a raw PRNG key (jax.random.PRNGKey), pass a typed 0-d key, "
-                "jax.random.key(seed), instead." if x.shape == (2,) and x.dtype == np.uint32
-                else "")
-        raise ZjaxError(f"Batch leaf {name} has leading (global batch) dimension "
-                        f"{x.shape[0]}, not divisible by the {self.data_parallel} devices of "
-                        f"the data axes {self.data_axes}. Use a global batch that is a "
-                        f"multiple of {self.data_parallel}.{hint}")
+        hint = (
+          " If it is a raw PRNG key (jax.random.PRNGKey), pass a typed 0-d key, "
+          "jax.random.key(seed), instead."
+          if x.shape == (2,) and x.dtype == np.uint32
+          else ""
+        )
+        raise ZjaxError(
+          f"Batch leaf {name} has leading (global batch) dimension "
+          f"{x.shape[0]}, not divisible by the {self.data_parallel} devices of "
+          f"the data axes {self.data_axes}. Use a global batch that is a "
+          f"multiple of {self.data_parallel}.{hint}"
+        )
       return P(layout.spec_entry(self.data_axes))
+
     return jax.tree_util.tree_map_with_path(spec, batch)
 
   def _device_program(self, sharded_params, batch, extra) -> "_DeviceProgram":
     """Trace the loss as the schedule was planned; it must match the schedule."""
     params = [jax.ShapeDtypeStruct(p.shape, jnp.dtype(p.dtype)) for p in self.schedule.params]
-    trace = trace_for_schedule(self.loss_fn,
-                               layout.natural_like(sharded_params, self.schedule, params),
-                               batch, self.schedule.config, self.schedule.axis_sizes, extra,
-                               mesh=self.mesh)
+    trace = trace_for_schedule(
+      self.loss_fn,
+      layout.natural_like(sharded_params, self.schedule, params),
+      batch,
+      self.schedule.config,
+      self.schedule.axis_sizes,
+      extra,
+      mesh=self.mesh,
+    )
     _check_trace_matches(trace, self.schedule)
     return _DeviceProgram(self.schedule, trace.program)
 
@@ -128,14 +147,16 @@ def _check_trace_matches(trace, schedule):
   for p, entry in zip(trace.params, schedule.params):
     if p.path != entry.path or tuple(u.op for u in p.uses) != entry.uses:
       raise ScheduleMismatchError(
-          f"On one device's share of the batch, parameter {p.path} is used at ops "
-          f"{[u.op for u in p.uses]}, but the schedule says {list(entry.uses)}: the loss "
-          f"function's program depends on the batch size, or the schedule belongs to another "
-          f"model. Recompile the schedule for this loss function.")
+        f"On one device's share of the batch, parameter {p.path} is used at ops "
+        f"{[u.op for u in p.uses]}, but the schedule says {list(entry.uses)}: the loss "
+        f"function's program depends on the batch size, or the schedule belongs to another "
+        f"model. Recompile the schedule for this loss function."
+      )
   if program_hash(o.primitive for o in trace.ops) != schedule.program_hash:
     raise ScheduleMismatchError(
-        "The loss function's program (on one device's share of the batch) differs from the "
-        "schedule's. Recompile the schedule for this loss function.")
+      "The loss function's program (on one device's share of the batch) differs from the "
+      "schedule's. Recompile the schedule for this loss function."
+    )
 
 
 class _DeviceProgram:
@@ -149,9 +170,12 @@ class _DeviceProgram:
     self.mean_over = config.averaged_axes  # HSDP: gradient shards averaged over replicas
     self.secondary_partition = config.secondary_partition  # hpZ
     self.tensor_axis = config.tensor_axes[0] if config.tensor_axes else None
-    analysis = seg_lib.analyze(program, schedule.segments,
-                               [ir.has_gradient(p) for p in schedule.params],
-                               [p.persistent for p in schedule.params])
+    analysis = seg_lib.analyze(
+      program,
+      schedule.segments,
+      [ir.has_gradient(p) for p in schedule.params],
+      [p.persistent for p in schedule.params],
+    )
     self.chains, self.segments = analysis.chains, analysis.ios
     self.diff_params, self.diff_acts = analysis.diff_params, analysis.diff_acts
     self.replicated = analysis.replicated
@@ -160,16 +184,21 @@ class _DeviceProgram:
     # parameter index -> the storage leaf holding it (a rolled stack: its layer 0's index)
     self.storage_of = {i: k for k, leaf in enumerate(schedule.storage) for i in leaf.members}
     self.consts = dict(zip(program.const_ids, program.consts))
-    self.needs_gradient = seg_lib.needs_gradient(program, [ir.has_gradient(p)
-                                                           for p in schedule.params])
+    self.needs_gradient = seg_lib.needs_gradient(
+      program, [ir.has_gradient(p) for p in schedule.params]
+    )
     # persistent gradients are averaged as soon as they are complete, so that their full
     # buffers do not all wait for the end of the step: segment -> storage leaves
-    self.grad_done_at = {k: sorted({self.storage_of[i] for i in members})
-                         for k, members in ir.persistent_reductions(
-                             schedule.params, schedule.segments).items()}
+    self.grad_done_at = {
+      k: sorted({self.storage_of[i] for i in members})
+      for k, members in ir.persistent_reductions(schedule.params, schedule.segments).items()
+    }
     backward_loops = {st.segment: st for st in schedule.backward if st.op == ir.LOOP_OP}
-    self.loops = {st.segment: self._loop(st, backward_loops[st.segment])
-                  for st in schedule.forward if st.op == ir.LOOP_OP}
+    self.loops = {
+      st.segment: self._loop(st, backward_loops[st.segment])
+      for st in schedule.forward
+      if st.op == ir.LOOP_OP
+    }
 
   def _loop(self, forward_step, backward_step):
     """The loop of a loop step: a scan over stacked parameters, or a rolled run."""
@@ -180,11 +209,14 @@ class _DeviceProgram:
     length = forward_step.length
     facts = roll.param_facts(self.s.params, None, None)
     try:
-      run = roll.analyze_run(self.program, facts, seg.start, (seg.end - seg.start) // length,
-                             length)
+      run = roll.analyze_run(
+        self.program, facts, seg.start, (seg.end - seg.start) // length, length
+      )
     except ValueError as e:
-      raise ScheduleMismatchError(f"Segment {k} of the schedule is a rolled loop, but {e}. "
-                                  f"Recompile the schedule for this loss function.") from None
+      raise ScheduleMismatchError(
+        f"Segment {k} of the schedule is a rolled loop, but {e}. "
+        f"Recompile the schedule for this loss function."
+      ) from None
     return RolledLoop(self, k, run, forward_step, backward_step)
 
   def compute_dtype(self, i):
@@ -224,18 +256,22 @@ class _DeviceProgram:
       wire, _ = collectives.gather_wire(local, axes, quantization)
       values = collectives.unpack_wire(wire, local, slices, self.n, quantization)
       return values + [wire] if keep_wire else values
-    out = tensor_parallel.nested(gather, entries, self.tensor_axis, "storage", "natural",
-                                 ranked_out=int(keep_wire))(chunks)
+
+    out = tensor_parallel.nested(
+      gather, entries, self.tensor_axis, "storage", "natural", ranked_out=int(keep_wire)
+    )(chunks)
     return (out[:-1], out[-1]) if keep_wire else (out, None)
 
   def secondary_of(self, wire, entries):
     """hpZ: this device's secondary rows of a bucket's gathered wire."""
-    rows = functools.partial(collectives.secondary_rows, replicas=self.s.replicas,
-                             shard_axes=self.shard_axes)
+    rows = functools.partial(
+      collectives.secondary_rows, replicas=self.s.replicas, shard_axes=self.shard_axes
+    )
     if not self.tensor_axis:
       return rows(wire)
-    secondary, = tensor_parallel.nested(lambda w: [rows(w[0])], entries, self.tensor_axis,
-                                        "none", "none", ranked_in=1, ranked_out=1)([wire])
+    (secondary,) = tensor_parallel.nested(
+      lambda w: [rows(w[0])], entries, self.tensor_axis, "none", "none", ranked_in=1, ranked_out=1
+    )([wire])
     return secondary
 
   def regather_bucket(self, b, secondary, chunks, entries):
@@ -251,8 +287,10 @@ class _DeviceProgram:
     def regather(values):
       wire = collectives.gather_from_secondary(values[0], self.shard_axes)
       return collectives.unpack_wire(wire, local, slices, self.n, quantization)
-    return tensor_parallel.nested(regather, entries, self.tensor_axis, "none", "natural",
-                                  ranked_in=1)([secondary])
+
+    return tensor_parallel.nested(
+      regather, entries, self.tensor_axis, "none", "natural", ranked_in=1
+    )([secondary])
 
   def scatter_bucket(self, b, grads, entries):
     """-> this device's chunks of a bucket's gradients (natural-shaped `grads`, in the
@@ -260,14 +298,22 @@ class _DeviceProgram:
     members = self.members[b]
 
     def scatter(grads, entries=entries):
-      return collectives.reduce_scatter_bucket(grads, entries, self.n, self.storage_axes,
-                                               self.wire_dtype(members[0]), self.mean_over,
-                                               self.reduce_quantization(b))
+      return collectives.reduce_scatter_bucket(
+        grads,
+        entries,
+        self.n,
+        self.storage_axes,
+        self.wire_dtype(members[0]),
+        self.mean_over,
+        self.reduce_quantization(b),
+      )
+
     if not self.tensor_axis:
       return scatter(grads)
     slices = [tensor_parallel.slice_entry(e) for e in entries]
-    return tensor_parallel.nested(lambda g: scatter(g, slices), entries, self.tensor_axis,
-                                  "natural", "storage")(grads)
+    return tensor_parallel.nested(
+      lambda g: scatter(g, slices), entries, self.tensor_axis, "natural", "storage"
+    )(grads)
 
   def run(self, shard_leaves, batch, extra):
     """-> ((mean loss, new extra averaged over devices), local gradient shards)."""
@@ -300,8 +346,11 @@ class _State:
     # parameter index -> its local shard (or whole value, if persistent); rolled layers are
     # read from their stacks by the loop (stack_of)
     # (offload_params: persistent leaves come to the device at once, sharded ones by gather)
-    self.shards = {leaf.members[0]: offload.on_device(x) if leaf.entry.persistent else x
-                   for leaf, x in zip(dp.s.storage, shard_leaves) if not leaf.rolled}
+    self.shards = {
+      leaf.members[0]: offload.on_device(x) if leaf.entry.persistent else x
+      for leaf, x in zip(dp.s.storage, shard_leaves)
+      if not leaf.rolled
+    }
     self.env: dict[int, Any] = dict(dp.consts)
     num_params = len(dp.s.params)
     self.env.update(zip(dp.program.input_ids[num_params:], batch_leaves))
@@ -354,18 +403,21 @@ class _State:
       secondary = self.secondary[b]
       if self.anchor is not None:
         secondary, _ = lax.optimization_barrier((secondary, self.anchor))
-      chunks = [jax.ShapeDtypeStruct(x.shape, self.dp.compute_dtype(i))  # (for unpacking)
-                for i, x in zip(members, chunks)]
-      self.gathered.update(zip(members, self.dp.regather_bucket(b, secondary, chunks,
-                                                                entries)))
+      chunks = [
+        jax.ShapeDtypeStruct(x.shape, self.dp.compute_dtype(i))  # (for unpacking)
+        for i, x in zip(members, chunks)
+      ]
+      self.gathered.update(zip(members, self.dp.regather_bucket(b, secondary, chunks, entries)))
       return
     if self.anchor is not None:
       chunks, _ = lax.optimization_barrier((chunks, self.anchor))
     # offload_params: each shard comes from the host here, where the schedule gathers
-    chunks = [offload.on_device(x).astype(self.dp.compute_dtype(i))
-              for i, x in zip(members, chunks)]
-    values, wire = self.dp.gather_bucket(b, phase, chunks, entries,
-                                         keep_wire=self.dp.secondary_partition)
+    chunks = [
+      offload.on_device(x).astype(self.dp.compute_dtype(i)) for i, x in zip(members, chunks)
+    ]
+    values, wire = self.dp.gather_bucket(
+      b, phase, chunks, entries, keep_wire=self.dp.secondary_partition
+    )
     if self.dp.secondary_partition:
       self.wires[b] = wire
     self.gathered.update(zip(members, values))
@@ -377,7 +429,8 @@ class _State:
     # backward re-gather and keep the whole gathered wire alive through the forward pass
     members = [i for i in self.dp.members[b] if i in self.gathered]
     self.secondary[b], values = lax.optimization_barrier(
-        (secondary, [self.gathered[i] for i in members]))
+      (secondary, [self.gathered[i] for i in members])
+    )
     self.gathered.update(zip(members, values))
 
   def drop_secondary(self, b):
@@ -392,8 +445,12 @@ class _State:
     members = self.dp.members[b]
     entries = [self.dp.s.params[i] for i in members]
     grads = [self.full_grads.pop(i, None) for i in members]
-    grads = [jnp.zeros(e.shape, self.dp.reduce_dtype(i)) if g is None else
-             g.astype(self.dp.reduce_dtype(i)) for i, g, e in zip(members, grads, entries)]
+    grads = [
+      jnp.zeros(e.shape, self.dp.reduce_dtype(i))
+      if g is None
+      else g.astype(self.dp.reduce_dtype(i))
+      for i, g, e in zip(members, grads, entries)
+    ]
     for i, chunk in zip(members, self.dp.scatter_bucket(b, grads, entries)):
       self.add_shard_grad(self.dp.storage_of[i], chunk)
 
@@ -426,8 +483,9 @@ class _State:
     params = [self.view(v) for v in io.param_inputs]
     acts = [self.read(a) for a in io.act_inputs]
     params, acts = lax.optimization_barrier((params, acts)) if params else (params, acts)
-    outs, vjp_fn = seg_lib.segment_vjp(io, params, acts, self.dp.diff_params[k],
-                                       self.dp.diff_acts[k], self.dp.replicated[k])
+    outs, vjp_fn = seg_lib.segment_vjp(
+      io, params, acts, self.dp.diff_params[k], self.dp.diff_acts[k], self.dp.replicated[k]
+    )
     self.vjps[k] = seg_lib.strip_params(vjp_fn, params)
     self.env.update(zip(io.outputs, outs))
     if outs:
@@ -441,8 +499,9 @@ class _State:
 
   def forward_loop(self, k):
     loop = self.dp.loops[k]
-    outs, self.vjps[k] = loop.forward(loop.stacked_shards(self), loop.input_values(self),
-                                      self.anchor)
+    outs, self.vjps[k] = loop.forward(
+      loop.stacked_shards(self), loop.input_values(self), self.anchor
+    )
     self.env.update(zip(loop.outputs, outs))
     if outs:
       self.anchor = outs[0]
@@ -458,8 +517,9 @@ class _State:
       elif ct is None:
         ct = jnp.zeros(aval.shape, aval.dtype)
       ct_outs.append(ct)
-    ct_inputs, grads = loop.backward(loop.stacked_shards(self), self.vjps.pop(k), ct_outs,
-                                     self.anchor)
+    ct_inputs, grads = loop.backward(
+      loop.stacked_shards(self), self.vjps.pop(k), ct_outs, self.anchor
+    )
     for a, ct in loop.input_cotangents(ct_inputs):
       if a in self.dp.chains:  # a parameter (view): trained ones get the gradient
         if ir.has_gradient(self.dp.s.params[self.dp.chains[a][0]]):
@@ -483,8 +543,9 @@ class _State:
     io = self.dp.segments[k]
     params = [self.view_or_placeholder(v) for v in io.param_inputs]
     ct_out = [self.cts.pop(o, None) for o in io.outputs]
-    ct_out = [seg_lib.zero_cotangent(self.env[o]) if c is None else c
-              for o, c in zip(io.outputs, ct_out)]
+    ct_out = [
+      seg_lib.zero_cotangent(self.env[o]) if c is None else c for o, c in zip(io.outputs, ct_out)
+    ]
     if params:
       params, ct_out = lax.optimization_barrier((params, ct_out))
     vjp_fn = seg_lib.restore_params(self.vjps.pop(k), params)
@@ -508,8 +569,11 @@ class _State:
     done = {}
     for leaf in self.dp.grad_done_at.get(k, ()):
       i = self.dp.s.storage[leaf].members[0]
-      grad = (self.stacked_grads.pop(leaf, None) if self.dp.s.storage[leaf].rolled
-              else self.full_grads.pop(i, None))
+      grad = (
+        self.stacked_grads.pop(leaf, None)
+        if self.dp.s.storage[leaf].rolled
+        else self.full_grads.pop(i, None)
+      )
       if grad is not None:
         done[leaf] = self._as_reduced(i, grad)
     if done:
@@ -543,8 +607,7 @@ class _State:
   def average_extra(self, tree):
     """New non-parameter state (e.g. batch statistics): floats averaged over devices."""
     floats = [jnp.issubdtype(x.dtype, jnp.inexact) for x in jax.tree.leaves(tree)]
-    averaged = iter(self.mean_over_devices([x for x, f in zip(jax.tree.leaves(tree), floats)
-                                            if f]))
+    averaged = iter(self.mean_over_devices([x for x, f in zip(jax.tree.leaves(tree), floats) if f]))
     leaves = [next(averaged) if f else x for x, f in zip(jax.tree.leaves(tree), floats)]
     return jax.tree.unflatten(jax.tree.structure(tree), leaves)
 

@@ -49,8 +49,12 @@ class Loop:
       if isinstance(a, int) and a in dp.chains and dp.chains[a][0] in stacked:
         self.stacked_inputs[j] = dp.chains[a]
     # stacked consts read as W[i]: body equation index -> input position
-    self.layer_slices = {k: j for j in self.stacked_inputs if j < self.num_consts
-                         for k in loops.layer_slices(dp.program, op, j)}
+    self.layer_slices = {
+      k: j
+      for j in self.stacked_inputs
+      if j < self.num_consts
+      for k in loops.layer_slices(dp.program, op, j)
+    }
     if set(self.regathered) != set(self.buckets):
       self._check_unread()
 
@@ -63,9 +67,10 @@ class Loop:
     for j, (i, _) in sorted(self.stacked_inputs.items()):
       if i in left_out and j not in unread:
         raise ScheduleMismatchError(
-            f"Segment {self.segment}'s backward loop body does not re-gather "
-            f"{self.dp.s.params[i].path}, but the backward iteration reads it. Add its "
-            f"bucket's gather (or recompile the schedule).")
+          f"Segment {self.segment}'s backward loop body does not re-gather "
+          f"{self.dp.s.params[i].path}, but the backward iteration reads it. Add its "
+          f"bucket's gather (or recompile the schedule)."
+        )
 
   def read_steps(self, forward_step, backward_step):
     """What the loop steps say: the stacked buckets, prefetch, which are reduce-scattered."""
@@ -80,8 +85,9 @@ class Loop:
   # ---- the loop's inputs and outputs in the executor's state ---------------------------
   def input_values(self, state) -> list:
     """The op's input values (stacked positions None: the loop gathers them per layer)."""
-    return [None if j in self.stacked_inputs else state.input_value(a)
-            for j, a in enumerate(self.inputs)]
+    return [
+      None if j in self.stacked_inputs else state.input_value(a) for j, a in enumerate(self.inputs)
+    ]
 
   def stacked_shards(self, state) -> dict:
     """param index -> this device's stacked shard [L, c] as stored (offload_params: in host
@@ -90,8 +96,9 @@ class Loop:
 
   def input_cotangents(self, ct_inputs) -> list:
     """(value id, cotangent) of every input that received one."""
-    return [(a, ct) for a, ct in zip(self.inputs, ct_inputs)
-            if ct is not None and isinstance(a, int)]
+    return [
+      (a, ct) for a, ct in zip(self.inputs, ct_inputs) if ct is not None and isinstance(a, int)
+    ]
 
   def stacked_param_cotangents(self, ct_inputs) -> list:
     """(layer 0's parameter index, stacked cotangent) of per-layer parameters the loop
@@ -104,13 +111,14 @@ class Loop:
     slice, standing in for the stacked xs slices. -> (carry out, ys)."""
     args = list(inputs)
     for j, (param, chain) in self.stacked_inputs.items():
-      args[j] = seg_lib.apply_chain(chain, layers[param] if param in layers else
-                                    self._unread_layer(param))
+      args[j] = seg_lib.apply_chain(
+        chain, layers[param] if param in layers else self._unread_layer(param)
+      )
     if self.layer_slices:
       outs = self._run_body_with_layer_slices(args)
     else:
       outs = jex.jaxpr_as_fun(self.body_jaxpr)(*args)
-    return list(outs[:self.num_carry]), list(outs[self.num_carry:])
+    return list(outs[: self.num_carry]), list(outs[self.num_carry :])
 
   def _unread_layer(self, i):
     """Stands in for a layer not re-gathered in backward (unread: dead code, as XLA sees)."""
@@ -127,14 +135,16 @@ class Loop:
         outs = [args[self.layer_slices[k]][None]]
       else:
         with eqn.ctx.manager:
-          outs = eqn.primitive.bind(*[read(v) for v in eqn.invars],
-                                    **eqn.primitive.get_bind_params(eqn.params))
+          outs = eqn.primitive.bind(
+            *[read(v) for v in eqn.invars], **eqn.primitive.get_bind_params(eqn.params)
+          )
         outs = list(outs) if eqn.primitive.multiple_results else [outs]
       env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
 
-  def gather_layer(self, shard_rows: dict, tie, phase: str = "forward", secondary=None,
-                   buckets=None):
+  def gather_layer(
+    self, shard_rows: dict, tie, phase: str = "forward", secondary=None, buckets=None
+  ):
     """-> (param index -> its layer slice, bucket -> the layer's hpZ secondary shard),
     from this device's rows of the stacked shards (backward under hpZ: from `secondary`,
     bucket -> the layer's secondary shard, over the shard axes only); every stacked bucket,
@@ -145,8 +155,7 @@ class Loop:
       shard_rows, _ = lax.optimization_barrier((shard_rows, tie))
     return self.gather_tied(shard_rows, phase, secondary, buckets)
 
-  def gather_tied(self, shard_rows: dict, phase: str = "forward", secondary=None,
-                  buckets=None):
+  def gather_tied(self, shard_rows: dict, phase: str = "forward", secondary=None, buckets=None):
     """`gather_layer` on rows (or secondary shards) already tied to what they follow."""
     from_secondary = phase == "backward" and self.dp.secondary_partition
     layers, kept = {}, {}
@@ -154,14 +163,17 @@ class Loop:
       members = self.dp.members[b]
       entries = [layout.layer_entry(self.dp.s.params[i]) for i in members]
       if from_secondary:
-        chunks = [jax.ShapeDtypeStruct(shard_rows[i].shape, self.dp.compute_dtype(i))
-                  for i in members]  # (for unpacking; nothing moves from the host)
+        chunks = [
+          jax.ShapeDtypeStruct(shard_rows[i].shape, self.dp.compute_dtype(i)) for i in members
+        ]  # (for unpacking; nothing moves from the host)
         values = self.dp.regather_bucket(b, secondary[b], chunks, entries)
       else:  # offload_params: the layer's rows come from the host here
-        chunks = [offload.on_device(shard_rows[i]).astype(self.dp.compute_dtype(i))
-                  for i in members]
-        values, wire = self.dp.gather_bucket(b, phase, chunks, entries,
-                                             keep_wire=b in self.secondary)
+        chunks = [
+          offload.on_device(shard_rows[i]).astype(self.dp.compute_dtype(i)) for i in members
+        ]
+        values, wire = self.dp.gather_bucket(
+          b, phase, chunks, entries, keep_wire=b in self.secondary
+        )
         if b in self.secondary:
           kept[b] = self.dp.secondary_of(wire, entries)
       layers.update(zip(members, values))
@@ -173,15 +185,24 @@ class Loop:
     out = {}
     for b in self.secondary:
       members = self.dp.members[b]
-      rows = [tensor_parallel.rank_chunk(
+      rows = [
+        tensor_parallel.rank_chunk(
           jax.ShapeDtypeStruct(shards[i].shape[1:], self.dp.compute_dtype(i)),
-          layout.layer_entry(self.dp.s.params[i])) for i in members]
+          layout.layer_entry(self.dp.s.params[i]),
+        )
+        for i in members
+      ]
       quantization = self.dp.gather_quantization(b, "forward")
-      wire = jax.eval_shape(lambda r: layout.to_wire(jnp.concatenate(r)) if quantization is None
-                            else quantize.pack(jnp.concatenate(r), quantization), rows)
+      wire = jax.eval_shape(
+        lambda r: (
+          layout.to_wire(jnp.concatenate(r))
+          if quantization is None
+          else quantize.pack(jnp.concatenate(r), quantization)
+        ),
+        rows,
+      )
       ranks = (self.dp.s.tensor_sizes[0],) if self.dp.tensor_axis else ()
-      out[b] = jnp.zeros((self.length,) + ranks + (self.dp.s.replicas, wire.shape[0]),
-                         wire.dtype)
+      out[b] = jnp.zeros((self.length,) + ranks + (self.dp.s.replicas, wire.shape[0]), wire.dtype)
     return out
 
   def scatter_layer(self, layer_grads: dict, buckets=None) -> dict:
@@ -193,8 +214,12 @@ class Loop:
         continue
       members = self.dp.members[b]
       entries = [layout.layer_entry(self.dp.s.params[i]) for i in members]
-      grads = [layer_grads[i].astype(self.dp.reduce_dtype(i)) if i in layer_grads else
-               jnp.zeros(e.shape, self.dp.reduce_dtype(i)) for i, e in zip(members, entries)]
+      grads = [
+        layer_grads[i].astype(self.dp.reduce_dtype(i))
+        if i in layer_grads
+        else jnp.zeros(e.shape, self.dp.reduce_dtype(i))
+        for i, e in zip(members, entries)
+      ]
       out.update(zip(members, self.dp.scatter_bucket(b, grads, entries)))
     return out
 
@@ -204,7 +229,7 @@ class Loop:
     the compute dtype; `inputs`: the op's input values (stacked positions ignored)."""
     consts, carry, xs = self._split(inputs)
     length, tie = self.length, anchor if anchor is not None else carry
-    ys_avals = [self.dp.program.avals[o] for o in self.outputs[self.num_carry:]]
+    ys_avals = [self.dp.program.avals[o] for o in self.outputs[self.num_carry :]]
     ys = [jnp.zeros(a.shape, a.dtype) for a in ys_avals]
     saved = [jnp.zeros((length,) + jnp.shape(c), jnp.result_type(c)) for c in carry]
     kept = self.secondary_stacks(shards)  # hpZ: every layer's secondary shards
@@ -226,10 +251,12 @@ class Loop:
         carry, saved, ys = iteration(i, layers, carry, saved, ys)
         return (carry, upcoming, saved, ys, kept), None
 
-      (carry, last, saved, ys, kept), _ = lax.scan(step, (carry, first, saved, ys, kept),
-                                                   jnp.arange(length - 1))
+      (carry, last, saved, ys, kept), _ = lax.scan(
+        step, (carry, first, saved, ys, kept), jnp.arange(length - 1)
+      )
       carry, saved, ys = iteration(length - 1, last, carry, saved, ys)
     else:
+
       def step(state, i):
         carry, saved, ys, kept = state
         layers, kept = gather(i, carry, kept)
@@ -248,11 +275,12 @@ class Loop:
     length = self.length
 
     def gather(i, tie):  # layer i's weights: from the stacked shards, or hpZ's secondary
-      layers, _ = self.gather_layer(_read(shards, self.layer(i)), tie, "backward",
-                                    _read(kept, self.layer(i)), self.regathered)
+      layers, _ = self.gather_layer(
+        _read(shards, self.layer(i)), tie, "backward", _read(kept, self.layer(i)), self.regathered
+      )
       return layers
 
-    ct_carry, ct_ys = ct_outs[:self.num_carry], ct_outs[self.num_carry:]
+    ct_carry, ct_ys = ct_outs[: self.num_carry], ct_outs[self.num_carry :]
     tie = anchor if anchor is not None else ct_carry
     # differentiated: the carries (floats), and the consts and xs that depend on trained
     # parameters (others may feed ops JAX cannot transpose, e.g. a while_loop)
@@ -264,24 +292,32 @@ class Loop:
     def iteration(i, layers, ct_carry, ct_consts, ct_xs, grads):
       layer = self.layer(i)
       carry, x, ct_y = _read(saved, i), _read(xs, layer), _read(ct_ys, layer)
-      diff = ({j: layers[j] for j in self.trained}, _floats(consts, const_d), _floats(carry),
-              _floats(x, xs_d))
+      diff = (
+        {j: layers[j] for j in self.trained},
+        _floats(consts, const_d),
+        _floats(carry),
+        _floats(x, xs_d),
+      )
 
       def f(layer_d, consts_d, carry_d, x_d):
-        new_carry, y = self.body({**layers, **layer_d}, _merge(consts, consts_d, const_d) +
-                                 _merge(carry, carry_d) + _merge(x, x_d, xs_d))
+        new_carry, y = self.body(
+          {**layers, **layer_d},
+          _merge(consts, consts_d, const_d) + _merge(carry, carry_d) + _merge(x, x_d, xs_d),
+        )
         return _floats(new_carry), _floats(y)
 
       _, vjp_fn = jax.vjp(f, *diff)
       ct_layer, ct_c, ct_carry_in, ct_x = vjp_fn((_floats(ct_carry), _floats(ct_y)))
-      ct_consts = [a if a is None else a + b
-                   for a, b in zip(ct_consts, _merge_none(consts, ct_c, const_d))]
+      ct_consts = [
+        a if a is None else a + b for a, b in zip(ct_consts, _merge_none(consts, ct_c, const_d))
+      ]
       ct_xs = _write(ct_xs, layer, _merge_none(x, ct_x, xs_d))
       grads = _write(grads, layer, self.scatter_layer(ct_layer))
       return _merge_none(carry, ct_carry_in), ct_consts, ct_xs, grads
 
     state = (ct_carry, ct_consts, ct_xs, grads)
     if self.prefetch["backward"]:
+
       def step(carried, i):
         layers, state = carried
         upcoming = gather(i - 1, state[0])
@@ -291,6 +327,7 @@ class Loop:
       (first, state), _ = lax.scan(step, (last, state), jnp.arange(1, length), reverse=True)
       state = iteration(0, first, *state)
     else:
+
       def step(state, i):
         layers = gather(i, state[0])
         return iteration(i, layers, *state), None
@@ -304,8 +341,11 @@ class Loop:
   def _split(self, inputs):
     """(consts, carry, non-stacked xs) lists; stacked positions become None in xs."""
     values = [None if j in self.stacked_inputs else v for j, v in enumerate(inputs)]
-    return (values[:self.num_consts], values[self.num_consts:self.first_xs],
-            values[self.first_xs:])
+    return (
+      values[: self.num_consts],
+      values[self.num_consts : self.first_xs],
+      values[self.first_xs :],
+    )
 
   def _differentiated(self, values, first) -> list[bool]:
     """Which of `values` (the op's inputs from position `first` on) the backward
@@ -315,8 +355,9 @@ class Loop:
     params = self.dp.chains
     out = []
     for v, a in zip(values, self.inputs[first:]):
-      trained = isinstance(a, int) and a in params and ir.has_gradient(
-          self.dp.s.params[params[a][0]])
+      trained = (
+        isinstance(a, int) and a in params and ir.has_gradient(self.dp.s.params[params[a][0]])
+      )
       out.append(_is_float(v) and (trained or (isinstance(a, int) and a in acts)))
     return out
 
@@ -340,7 +381,8 @@ def _read(tree, index):
 def _write(tree, index, rows):
   """Every stacked array with row `index` replaced (in place inside XLA's loops)."""
   return jax.tree.map(
-      lambda x, r: lax.dynamic_update_index_in_dim(x, r.astype(x.dtype), index, 0), tree, rows)
+    lambda x, r: lax.dynamic_update_index_in_dim(x, r.astype(x.dtype), index, 0), tree, rows
+  )
 
 
 def _is_float(x) -> bool:

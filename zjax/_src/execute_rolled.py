@@ -18,7 +18,6 @@ from zjax._src.execute_loop import Loop, _is_float, _read, _write
 
 
 class RolledLoop(Loop):
-
   def __init__(self, dp, segment: int, run, forward_step, backward_step):
     self.dp, self.segment, self.run = dp, segment, run
     self.length, self.reverse = run.length, False
@@ -32,14 +31,14 @@ class RolledLoop(Loop):
       if stored != tuple(layers):
         paths = lambda ids: [dp.s.params[i].path for i in ids[:3]]
         raise ScheduleMismatchError(
-            f"Segment {segment} rolls the layers {paths(layers)}..., but the schedule "
-            f"stores {dp.s.params[layers[0]].path} in a stack of {paths(stored)}...: the "
-            f"schedule does not match this program. Recompile the schedule.")
+          f"Segment {segment} rolls the layers {paths(layers)}..., but the schedule "
+          f"stores {dp.s.params[layers[0]].path} in a stack of {paths(stored)}...: the "
+          f"schedule does not match this program. Recompile the schedule."
+        )
     gathered = {i for b in self.buckets for i in dp.members[b]}
     # stacked position -> layer-0 parameter (gathered per iteration), or -> xs position
     # (persistent per-layer parameters: stacked whole, sliced by the scan)
-    self.gathered = {p: layers[0] for p, layers in enumerate(run.stacked)
-                     if layers[0] in gathered}
+    self.gathered = {p: layers[0] for p, layers in enumerate(run.stacked) if layers[0] in gathered}
     self.replicated = [p for p in range(len(run.stacked)) if p not in self.gathered]
     self.inputs = list(run.consts) + list(run.carry_in)
     self.outputs = list(run.outputs)
@@ -57,20 +56,21 @@ class RolledLoop(Loop):
   def _runner(self) -> loop_parts.PartRunner:
     members = {b: self.dp.members[b] for b in self.buckets}
     bucket_of = {i: b for b, ids in members.items() for i in ids}
-    return loop_parts.part_runner(self.dp.program, self.run, members, self.dp.s.params,
-                                  bucket_of)
+    return loop_parts.part_runner(self.dp.program, self.run, members, self.dp.s.params, bucket_of)
 
   def _check_unread(self, backward_step):
     """A whole-layer backward body that leaves buckets out: only ones whose values the
     iteration's backward does not use (else the recompute would read zeros)."""
     runner = self._runner()
     _, missing = loop_parts.unused_gathers(
-        runner, loop_parts.whole_layer_backward(runner, self.regathered))
+      runner, loop_parts.whole_layer_backward(runner, self.regathered)
+    )
     if missing:
       path = self.dp.s.params[runner.gathered[sorted(missing)[0][2]]].path
       raise ScheduleMismatchError(
-          f"Segment {self.segment}'s backward loop body does not re-gather {path}, but the "
-          f"backward iteration reads it. Add its bucket's gather (or recompile the schedule).")
+        f"Segment {self.segment}'s backward loop body does not re-gather {path}, but the "
+        f"backward iteration reads it. Add its bucket's gather (or recompile the schedule)."
+      )
 
   def _parts(self, forward_step, backward_step) -> loop_parts.PartRunner:
     """The layer's parts as the schedule cuts them; refused if this program cuts them
@@ -81,27 +81,34 @@ class RolledLoop(Loop):
     stored = [(p.start, p.end) for p in forward_step.parts]
     if found != stored:
       raise ScheduleMismatchError(
-          f"Segment {self.segment}'s loop cuts its layer into parts at ops {stored}, but this "
-          f"program's layer cuts at {found}. Recompile the schedule.")
+        f"Segment {self.segment}'s loop cuts its layer into parts at ops {stored}, but this "
+        f"program's layer cuts at {found}. Recompile the schedule."
+      )
     _, missing = loop_parts.unused_gathers(runner, backward_step.body)
     if missing:
       op, part, q = sorted(missing)[0]
       raise ScheduleMismatchError(
-          f"Segment {self.segment}'s backward loop body: {op} of part {part} reads "
-          f"{dp.s.params[runner.gathered[q]].path}, which is not gathered there. Gather its "
-          f"bucket before that step (or recompile the schedule).")
+        f"Segment {self.segment}'s backward loop body: {op} of part {part} reads "
+        f"{dp.s.params[runner.gathered[q]].path}, which is not gathered there. Gather its "
+        f"bucket before that step (or recompile the schedule)."
+      )
     return runner
 
   def input_values(self, state) -> list:
     """consts, initial carries (zeros for one only carried out), per-layer scalars, then
     the stacked persistent per-layer parameters."""
     consts = [state.input_value(a) for a in self.run.consts]
-    carry = [state.input_value(a) if a is not None else
-             jnp.zeros(self.dp.program.avals[o].shape, self.dp.program.avals[o].dtype)
-             for a, o in zip(self.run.carry_in, self.run.outputs)]
+    carry = [
+      state.input_value(a)
+      if a is not None
+      else jnp.zeros(self.dp.program.avals[o].shape, self.dp.program.avals[o].dtype)
+      for a, o in zip(self.run.carry_in, self.run.outputs)
+    ]
     xs = [jnp.asarray(v) for v in self.run.xs]
-    xs += [offload.on_device(state.stack_of(i0)).astype(self.dp.compute_dtype(i0))
-           for i0 in (self.run.stacked[p][0] for p in self.replicated)]
+    xs += [
+      offload.on_device(state.stack_of(i0)).astype(self.dp.compute_dtype(i0))
+      for i0 in (self.run.stacked[p][0] for p in self.replicated)
+    ]
     return consts + carry + xs
 
   def stacked_shards(self, state) -> dict:
@@ -109,14 +116,19 @@ class RolledLoop(Loop):
     return {i0: state.stack_of(i0) for b in self.buckets for i0 in self.dp.members[b]}
 
   def input_cotangents(self, ct_inputs) -> list:
-    return [(a, ct) for a, ct in zip(self.inputs, ct_inputs[:self.first_xs])
-            if a is not None and ct is not None]
+    return [
+      (a, ct)
+      for a, ct in zip(self.inputs, ct_inputs[: self.first_xs])
+      if a is not None and ct is not None
+    ]
 
   def stacked_param_cotangents(self, ct_inputs) -> list:
     first_stack = self.first_xs + len(self.run.xs)
-    return [(self.run.stacked[p][0], ct) for p, ct in zip(self.replicated,
-                                                          ct_inputs[first_stack:])
-            if ct is not None]
+    return [
+      (self.run.stacked[p][0], ct)
+      for p, ct in zip(self.replicated, ct_inputs[first_stack:])
+      if ct is not None
+    ]
 
   # ---- a layer cut into parts (loop_parts.py) ------------------------------------------
   def forward(self, shards: dict, inputs: list, anchor):
@@ -128,9 +140,13 @@ class RolledLoop(Loop):
     def step(state, i):
       carry, saved = state
       ctx = self._context(consts, carry, _read(xs, i))
-      loop_parts.walk_forward(self.parts, self.bodies["forward"], ctx,
-                              self._gatherer(_read(shards, i), "forward"),
-                              carry if carry else anchor)
+      loop_parts.walk_forward(
+        self.parts,
+        self.bodies["forward"],
+        ctx,
+        self._gatherer(_read(shards, i), "forward"),
+        carry if carry else anchor,
+      )
       new_carry = [ctx[("local", j, o)] for j, o in self.run.carry_out]
       return (new_carry, _write(saved, i, carry)), None
 
@@ -156,21 +172,31 @@ class RolledLoop(Loop):
       def scatter(b, layer_grads):
         chunks.update(self.scatter_layer(layer_grads, buckets=[b]))
 
-      cts = loop_parts.walk_backward(self.parts, self.bodies["backward"], ctx, cts, gather,
-                                     scatter, next(iter(cts.values()), anchor))
-      ct_carry = [_ct(cts, ("carry", k), c) if _is_float(c) else None
-                  for k, c in enumerate(carry)]
-      ct_consts = [a if a is None else a + _ct(cts, ("const", k), a)
-                   for k, a in enumerate(ct_consts)]
+      cts = loop_parts.walk_backward(
+        self.parts,
+        self.bodies["backward"],
+        ctx,
+        cts,
+        gather,
+        scatter,
+        next(iter(cts.values()), anchor),
+      )
+      ct_carry = [_ct(cts, ("carry", k), c) if _is_float(c) else None for k, c in enumerate(carry)]
+      ct_consts = [
+        a if a is None else a + _ct(cts, ("const", k), a) for k, a in enumerate(ct_consts)
+      ]
       ct_x = [None if a is None else _ct(cts, ("xs", k), a[0]) for k, a in enumerate(ct_xs)]
-      ct_xs = [a if a is None else lax.dynamic_update_index_in_dim(a, c.astype(a.dtype), i, 0)
-               for a, c in zip(ct_xs, ct_x)]
+      ct_xs = [
+        a if a is None else lax.dynamic_update_index_in_dim(a, c.astype(a.dtype), i, 0)
+        for a, c in zip(ct_xs, ct_x)
+      ]
       return (ct_carry, ct_consts, ct_xs, _write(grads, i, chunks)), None
 
     ct_carry = [c if _is_float(c) else None for c in ct_outs]
     state = (ct_carry, ct_consts, ct_xs, grads)
-    (ct_carry, ct_consts, ct_xs, grads), _ = lax.scan(step, state, jnp.arange(self.length),
-                                                      reverse=True)
+    (ct_carry, ct_consts, ct_xs, grads), _ = lax.scan(
+      step, state, jnp.arange(self.length), reverse=True
+    )
     return list(ct_consts) + list(ct_carry) + list(ct_xs), grads
 
   def _gatherer(self, rows: dict, phase: str):
@@ -180,10 +206,12 @@ class RolledLoop(Loop):
     (released between, as max_reuse_distance=0 plans) read different values: XLA cannot
     merge them, even where its algebraic simplifier drops a tie that nothing else reads (a
     recomputed output that the backward does not use) and the two barriers become alike."""
+
     def gather(b, tie):
       mine, _ = lax.optimization_barrier(({i: rows[i] for i in self.dp.members[b]}, tie))
       rows.update(mine)
       return self.gather_tied(mine, phase, buckets=[b])[0]
+
     return gather
 
   def _differentiated(self, values, first) -> list[bool]:
@@ -191,8 +219,9 @@ class RolledLoop(Loop):
     persistent per-layer parameters) the backward differentiates: floats among
     loop_parts.differentiable_inputs."""
     kind = "const" if first == 0 else "xs"
-    keys = loop_parts.differentiable_inputs(self.run, self.replicated, self.dp.s.params,
-                                            self.dp.needs_gradient)
+    keys = loop_parts.differentiable_inputs(
+      self.run, self.replicated, self.dp.s.params, self.dp.needs_gradient
+    )
     return [_is_float(v) and (kind, k) in keys for k, v in enumerate(values)]
 
   def _context(self, consts, carry, x) -> dict:
@@ -203,9 +232,9 @@ class RolledLoop(Loop):
 
   def body(self, layers: dict, inputs: list):
     """The first layer's ops on this iteration's values -> (carry out, no ys)."""
-    consts = inputs[:self.num_consts]
-    carry = inputs[self.num_consts:self.first_xs]
-    xs = inputs[self.first_xs:]
+    consts = inputs[: self.num_consts]
+    carry = inputs[self.num_consts : self.first_xs]
+    xs = inputs[self.first_xs :]
     values = []
     for op, sources in zip(self.template, self.run.sources):
       args = [self._read(src, layers, consts, carry, xs, values) for src in sources]
@@ -231,7 +260,6 @@ class RolledLoop(Loop):
         return jnp.zeros(entry.layer_shape, self.dp.compute_dtype(i))
       return layers[i]
     return xs[len(self.run.xs) + self.replicated.index(where)]
-
 
 
 def _ct(cts, key, like):

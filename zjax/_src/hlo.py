@@ -22,37 +22,76 @@ import numpy as np
 
 from zjax._src import xla_options
 
-_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-             "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-             "f8e4m3fn": 1, "f8e5m2": 1}
-_KINDS = {"all-gather": "all_gather", "all-gather-start": "all_gather",
-          "reduce-scatter": "reduce_scatter", "reduce-scatter-start": "reduce_scatter",
-          "all-reduce": "all_reduce", "all-reduce-start": "all_reduce",
-          "all-to-all": "all_to_all", "all-to-all-start": "all_to_all",
-          "collective-permute": "collective_permute",
-          "collective-permute-start": "collective_permute"}
+_ITEMSIZE = {
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "s16": 2,
+  "u16": 2,
+  "f16": 2,
+  "bf16": 2,
+  "s32": 4,
+  "u32": 4,
+  "f32": 4,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
+  "c64": 8,
+  "c128": 16,
+  "f8e4m3fn": 1,
+  "f8e5m2": 1,
+}
+_KINDS = {
+  "all-gather": "all_gather",
+  "all-gather-start": "all_gather",
+  "reduce-scatter": "reduce_scatter",
+  "reduce-scatter-start": "reduce_scatter",
+  "all-reduce": "all_reduce",
+  "all-reduce-start": "all_reduce",
+  "all-to-all": "all_to_all",
+  "all-to-all-start": "all_to_all",
+  "collective-permute": "collective_permute",
+  "collective-permute-start": "collective_permute",
+}
 # Ops that do work on a GPU's streams (what a prefetch can overlap): fusions, library calls
 # (cuBLAS, cuDNN), and the unfused heavy ops.
-_COMPUTE_OPS = frozenset({"fusion", "custom-call", "dot", "convolution", "reduce", "sort",
-                          "scatter", "gather", "reduce-window", "select-and-scatter"})
+_COMPUTE_OPS = frozenset(
+  {
+    "fusion",
+    "custom-call",
+    "dot",
+    "convolution",
+    "reduce",
+    "sort",
+    "scatter",
+    "gather",
+    "reduce-window",
+    "select-and-scatter",
+  }
+)
 _INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+(?P<op>[a-z\-]+)\((?P<rest>.*)$")
+  r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+(?P<op>[a-z\-]+)\((?P<rest>.*)$"
+)
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
 _GROUPS_ALL = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
-_GROUPS_IOTA_FULL = re.compile(
-    r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_GROUPS_IOTA_FULL = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 # jaxlib >= 0.11: groups as mesh axes, e.g. mesh['fsdp'=4,'tensor'=2] {'fsdp'}; a sub-axis
 # is 'fsdp':(pre)size, the middle factor of pre x size x rest (Shardy's notation).
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:<=\[([\d,]+)\](?:T\(([\d,]+)\))?)?"
-                          r"\s*\{([^}]*)\}")
+_GROUPS_MESH = re.compile(
+  r"replica_groups=mesh\[([^\]]*)\](?:<=\[([\d,]+)\](?:T\(([\d,]+)\))?)?"
+  r"\s*\{([^}]*)\}"
+)
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _WHILE_BODY = re.compile(r"\swhile\(.*\bbody=%?([\w.\-]+)")
-_CALLED = re.compile(r"\b(body|condition|calls|to_apply|branch_computations|true_computation|"
-                     r"false_computation)=(\{[^}]*\}|%?[\w.\-]+)")
+_CALLED = re.compile(
+  r"\b(body|condition|calls|to_apply|branch_computations|true_computation|"
+  r"false_computation)=(\{[^}]*\}|%?[\w.\-]+)"
+)
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _BRANCHES = re.compile(
-    r"\sconditional\(.*?(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+),"
-    r"\s*false_computation=%?([\w.\-]+))")
+  r"\sconditional\(.*?(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+),"
+  r"\s*false_computation=%?([\w.\-]+))"
+)
 
 
 class AnalysisProgram:
@@ -73,9 +112,11 @@ class AnalysisProgram:
     return self._compiled.cost_analysis()
 
   def __call__(self, *args, **kwargs):
-    raise TypeError("This program was compiled for analysis (zjax.hlo.compile_for_analysis: "
-                    "on CPU with its optimization barriers kept, which XLA's CPU runtime does "
-                    "not execute safely). Call the jitted function itself to run it.")
+    raise TypeError(
+      "This program was compiled for analysis (zjax.hlo.compile_for_analysis: "
+      "on CPU with its optimization barriers kept, which XLA's CPU runtime does "
+      "not execute safely). Call the jitted function itself to run it."
+    )
 
 
 def compile_for_analysis(lowered) -> AnalysisProgram:
@@ -106,6 +147,7 @@ def _platform(lowered) -> str:
 @dataclasses.dataclass(frozen=True)
 class Collective:
   """One collective instruction of a compiled program's HLO text (`collectives`)."""
+
   kind: str  # all_gather, reduce_scatter, all_reduce, all_to_all, collective_permute
   bytes: int  # full-buffer bytes (see module docstring)
   shape: str
@@ -126,8 +168,15 @@ def collectives(hlo_text: str) -> list[Collective]:
     if not m or m.group("op") not in _KINDS or computation in wrapped:
       continue
     kind = _KINDS[m.group("op")]
-    found.append(Collective(kind, _collective_bytes(kind, m.group("op"), m.group("shape"), line),
-                            m.group("shape"), computation, replica_groups(line)))
+    found.append(
+      Collective(
+        kind,
+        _collective_bytes(kind, m.group("op"), m.group("shape"), line),
+        m.group("shape"),
+        computation,
+        replica_groups(line),
+      )
+    )
   return found
 
 
@@ -194,6 +243,7 @@ _NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
 class AsyncCollective:
   """An asynchronous collective (`all-gather-start` ... `all-gather-done`) of a scheduled
   program, with the compute scheduled between its start and its done (`async_collectives`)."""
+
   kind: str
   bytes: int  # full buffer, as `Collective.bytes`
   computation: str
@@ -218,8 +268,12 @@ def async_collectives(hlo_text: str) -> list[AsyncCollective]:
     op = m.group("op")
     if op in _KINDS and op.endswith("-start"):
       kind = _KINDS[op]
-      pending[name.group(1)] = (kind, _collective_bytes(kind, op, m.group("shape"), line),
-                                replica_groups(line), compute)
+      pending[name.group(1)] = (
+        kind,
+        _collective_bytes(kind, op, m.group("shape"), line),
+        replica_groups(line),
+        compute,
+      )
     elif op.endswith("-done"):
       for start in list(pending):
         if re.search(r"(?<![\w.\-])%?" + re.escape(start) + r"(?![\w.\-])", m.group("rest")):
@@ -269,9 +323,11 @@ def executions(hlo_text: str, unknown_trips_once: bool = False) -> list:
     times = times_of.get(c.computation, 1)
     if times is None:
       if not unknown_trips_once:
-        raise ValueError(f"A {c.kind} sits in computation {c.computation}, inside a while "
-                         f"loop whose trip count XLA does not know; how often it runs is "
-                         f"undefined.")
+        raise ValueError(
+          f"A {c.kind} sits in computation {c.computation}, inside a while "
+          f"loop whose trip count XLA does not know; how often it runs is "
+          f"undefined."
+        )
       times = 1
     out.append((c, times))
   return out
@@ -305,8 +361,9 @@ def replica_groups(line: str) -> tuple:
   m = _GROUPS_ALL.search(line)
   if not m or not m.group(1):
     return ()
-  return tuple(tuple(int(i) for i in g.split(",") if i)
-               for g in re.findall(r"\{([\d,]*)\}", m.group(1)))
+  return tuple(
+    tuple(int(i) for i in g.split(",") if i) for g in re.findall(r"\{([\d,]*)\}", m.group(1))
+  )
 
 
 def _connected(pairs) -> tuple:
@@ -341,8 +398,10 @@ def _mesh_axes_groups(m) -> tuple:
   axes = [(name, int(size)) for name, size in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
   total = int(np.prod([n for _, n in axes]))
   ids = _iota(m.group(2), m.group(3)) if m.group(2) else np.arange(total)
-  chosen = {name: (pre, size) for name, pre, size in
-            re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", m.group(4))}
+  chosen = {
+    name: (pre, size)
+    for name, pre, size in re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", m.group(4))
+  }
   shape, grouped = [], []
   for name, n in axes:
     pre, size = chosen.get(name, ("", ""))
@@ -380,8 +439,9 @@ def axes_of_groups(groups, mesh_shape: dict) -> str:
       if covering is None and all(any(g <= row for row in rows) for g in found):
         covering = key + " (part)"
   if covering is None:
-    raise ValueError(f"Replica groups {groups} are not the device groups of any set of the "
-                     f"mesh axes {mesh_shape}.")
+    raise ValueError(
+      f"Replica groups {groups} are not the device groups of any set of the mesh axes {mesh_shape}."
+    )
   return covering
 
 
@@ -399,9 +459,13 @@ def executed_by_axis(hlo_text: str, mesh_shape: dict) -> dict:
 def bytes_over(by_axis: dict, axis: str, over: bool = True, kinds=None) -> int:
   """Total bytes of an `executed_by_axis` result whose collectives span `axis` (or, with
   over=False, do not), of every kind or of `kinds`."""
-  return sum(v for kind, per_axis in by_axis.items() if kinds is None or kind in kinds
-             for key, v in per_axis.items()
-             if (axis in key.split(" ")[0].split("+")) == over)
+  return sum(
+    v
+    for kind, per_axis in by_axis.items()
+    if kinds is None or kind in kinds
+    for key, v in per_axis.items()
+    if (axis in key.split(" ")[0].split("+")) == over
+  )
 
 
 def summarize(compiled) -> dict:
@@ -415,17 +479,18 @@ def summarize(compiled) -> dict:
   """
   out = {}
   runs = executions(compiled.as_text(), unknown_trips_once=True)
-  for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all",
-               "collective_permute"):
+  for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "collective_permute"):
     found = [(c.bytes, times) for c, times in runs if c.kind == kind]
     out[f"{kind}_count"] = sum(times for _, times in found)
     out[f"{kind}_bytes"] = sum(size * times for size, times in found)
     out[f"max_{kind}_bytes"] = max((size for size, _ in found), default=0)
   memory = compiled.memory_analysis()
-  out.update(temp_bytes=int(memory.temp_size_in_bytes),
-             argument_bytes=int(memory.argument_size_in_bytes),
-             output_bytes=int(memory.output_size_in_bytes),
-             alias_bytes=int(memory.alias_size_in_bytes))
+  out.update(
+    temp_bytes=int(memory.temp_size_in_bytes),
+    argument_bytes=int(memory.argument_size_in_bytes),
+    output_bytes=int(memory.output_size_in_bytes),
+    alias_bytes=int(memory.alias_size_in_bytes),
+  )
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   out["flops"] = float((cost or {}).get("flops", 0.0))

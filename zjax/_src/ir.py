@@ -55,6 +55,7 @@ LOOP_OP = "loop"
 @dataclasses.dataclass(frozen=True)
 class ParamEntry:
   """One parameter leaf: identity, storage layout and uses (op numbers, program order)."""
+
   path: str
   shape: tuple[int, ...]
   dtype: str
@@ -124,6 +125,7 @@ class ParamEntry:
 class StorageLeaf:
   """One leaf of the sharded layout: a parameter's own, or a rolled stack holding L
   per-layer parameters (`members`, in layer order) at layer 0's path."""
+
   entry: ParamEntry  # as stored; a stack's has shape (L, *layer shape), stacked if sharded
   members: tuple[int, ...]  # indices of the parameters it holds (one, or the L layers)
 
@@ -161,8 +163,13 @@ def stacked_entry(first: ParamEntry, length: int) -> ParamEntry:
   tensor_dim = first.tensor_dim
   if first.persistent and tensor_dim is not None:
     tensor_dim += 1
-  return dataclasses.replace(first, shape=(length,) + tuple(first.shape), uses=(),
-                             stacked=not first.persistent, tensor_dim=tensor_dim)
+  return dataclasses.replace(
+    first,
+    shape=(length,) + tuple(first.shape),
+    uses=(),
+    stacked=not first.persistent,
+    tensor_dim=tensor_dim,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,10 +225,15 @@ class Step:
       out = {"op": self.op, "segment": self.segment}
       return out if self.part is None else {**out, "part": self.part}
     if self.op == LOOP_OP:
-      out = {"op": LOOP_OP, "segment": self.segment, "length": self.length,
-             "body": [st.to_dict() for st in self.body]}
-      return out if not self.parts else {**out, "parts": [dataclasses.asdict(p)
-                                                          for p in self.parts]}
+      out = {
+        "op": LOOP_OP,
+        "segment": self.segment,
+        "length": self.length,
+        "body": [st.to_dict() for st in self.body],
+      }
+      return (
+        out if not self.parts else {**out, "parts": [dataclasses.asdict(p) for p in self.parts]}
+      )
     out = {"op": self.op, "bucket": self.bucket}
     if self.op == "gather":
       out["prefetch"] = self.prefetch
@@ -231,10 +243,15 @@ class Step:
     """to_dict plus the mesh axes of its collective and its quantization (what the JSON
     and the table show)."""
     if self.op == LOOP_OP:
-      return {**self.to_dict(), "body": [st.to_dict_with_axes(phase, config, buckets)
-                                         for st in self.body]}
-    return {**self.to_dict(), **collective_axes(self.op, phase, config),
-            **step_quantization(self, phase, buckets, config)}
+      return {
+        **self.to_dict(),
+        "body": [st.to_dict_with_axes(phase, config, buckets) for st in self.body],
+      }
+    return {
+      **self.to_dict(),
+      **collective_axes(self.op, phase, config),
+      **step_quantization(self, phase, buckets, config),
+    }
 
 
 def collective_axes(op: str, phase: str, config) -> dict:
@@ -277,8 +294,7 @@ def local_elements(entry, num_devices: int) -> int:
 
 def is_float(dtype) -> bool:
   """Floating point (PRNG key dtypes are not)."""
-  return bool(jnp.issubdtype(jnp.dtype(dtype) if isinstance(dtype, str) else dtype,
-                             jnp.floating))
+  return bool(jnp.issubdtype(jnp.dtype(dtype) if isinstance(dtype, str) else dtype, jnp.floating))
 
 
 def has_gradient(item) -> bool:
@@ -346,8 +362,11 @@ def reduce_wire_dtype(dtype, config, platform: str) -> np.dtype:
 def gather_quantization(bucket, phase: str, config):
   """How a gather of `bucket` in `phase` is quantized (ZeRO++ qwZ), or None: floating-point
   buckets, in the phases the config names."""
-  if config.gather_quantization is None or not is_float(bucket.dtype) or \
-      phase not in config.gather_quantization_phases:
+  if (
+    config.gather_quantization is None
+    or not is_float(bucket.dtype)
+    or phase not in config.gather_quantization_phases
+  ):
     return None
   return Quantization(config.gather_quantization, config.quantization_block)
 

@@ -18,7 +18,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zjax._src import ir, tensor_parallel, tensor_specs
 from zjax._src.errors import ZjaxError
@@ -42,10 +43,15 @@ def manual_specs(schedule) -> list[P]:
 def abstract_storage(schedule, mesh):
   """The sharded layout as a pytree of ShapeDtypeStructs carrying their shardings."""
   n = schedule.num_devices
-  return storage_tree(schedule, [
-      jax.ShapeDtypeStruct(storage_shape(leaf.entry, n), leaf.entry.dtype,
-                           sharding=NamedSharding(mesh, spec))
-      for leaf, spec in zip(schedule.storage, storage_specs(schedule))])
+  return storage_tree(
+    schedule,
+    [
+      jax.ShapeDtypeStruct(
+        storage_shape(leaf.entry, n), leaf.entry.dtype, sharding=NamedSharding(mesh, spec)
+      )
+      for leaf, spec in zip(schedule.storage, storage_specs(schedule))
+    ],
+  )
 
 
 def storage_axis(config):
@@ -114,10 +120,10 @@ def natural_from_storage(x, entry):
   if entry.persistent:
     return x
   if entry.tensor_dim is not None:
-    return natural_from_tp_rows(x[..., :entry.slice_size], entry)
+    return natural_from_tp_rows(x[..., : entry.slice_size], entry)
   if entry.stacked:
-    return x[:, :entry.layer_size].reshape(entry.shape)
-  return x[:entry.size].reshape(entry.shape)
+    return x[:, : entry.layer_size].reshape(entry.shape)
+  return x[: entry.size].reshape(entry.shape)
 
 
 def tp_rows(x, entry, xp=jnp):
@@ -125,7 +131,7 @@ def tp_rows(x, entry, xp=jnp):
   dimension, flat; a stacked one as [L, T, slice size], per layer."""
   lead = 1 if entry.stacked else 0  # the tensor dim counts from the layer's dimensions
   d, t, shape = entry.tensor_dim + lead, entry.tensor_size, tuple(entry.shape)
-  split = xp.reshape(x, shape[:d] + (t, shape[d] // t) + shape[d + 1:])
+  split = xp.reshape(x, shape[:d] + (t, shape[d] // t) + shape[d + 1 :])
   return xp.reshape(xp.moveaxis(split, d, lead), shape[:lead] + (t, -1))
 
 
@@ -141,10 +147,10 @@ def storage_padding(x, entry):
   if entry.persistent:
     return x.reshape(-1)[:0]
   if entry.tensor_dim is not None:
-    return x[..., entry.slice_size:].reshape(-1)
+    return x[..., entry.slice_size :].reshape(-1)
   if entry.stacked:
-    return x[:, entry.layer_size:].reshape(-1)
-  return x[entry.size:]
+    return x[:, entry.layer_size :].reshape(-1)
+  return x[entry.size :]
 
 
 def natural_of_leaf(values, leaf, xp=jnp):
@@ -165,9 +171,11 @@ def mirrored_storage(path: str, shape, schedule) -> int | None:
   best = None
   for i, leaf in enumerate(schedule.storage):
     entry = leaf.entry
-    if path.endswith(entry.path) and \
-        tuple(shape) == storage_shape(entry, schedule.num_devices) and \
-        (best is None or len(entry.path) > len(schedule.storage[best].entry.path)):
+    if (
+      path.endswith(entry.path)
+      and tuple(shape) == storage_shape(entry, schedule.num_devices)
+      and (best is None or len(entry.path) > len(schedule.storage[best].entry.path))
+    ):
       best = i
   return best
 
@@ -189,8 +197,8 @@ def natural_like(tree, schedule, leaves):
   pytree in the sharded layout (its containers, e.g. FrozenDict or nnx.State, are kept)."""
   by_path = {p.path: x for p, x in zip(schedule.params, leaves)}
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: by_path.get(jax.tree_util.keystr(path), x), tree,
-      is_leaf=lambda x: x is None)
+    lambda path, x: by_path.get(jax.tree_util.keystr(path), x), tree, is_leaf=lambda x: x is None
+  )
 
 
 def natural_tree(schedule, leaves):
@@ -233,12 +241,16 @@ def place(x, mesh, spec):
     return jax.reshard(x, sharding)
   if kinds == {False}:
     return jax.lax.with_sharding_constraint(x, sharding)
-  explicit = {a for a in mesh.axis_names
-              if mesh.axis_types[mesh.axis_names.index(a)] == AxisType.Explicit}
-  x = jax.reshard(x, NamedSharding(mesh, tensor_specs.filtered_spec(
-      spec, lambda a: a in explicit)))
-  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, tensor_specs.filtered_spec(
-      spec, lambda a: a not in explicit, P.UNCONSTRAINED)))
+  explicit = {
+    a for a in mesh.axis_names if mesh.axis_types[mesh.axis_names.index(a)] == AxisType.Explicit
+  }
+  x = jax.reshard(x, NamedSharding(mesh, tensor_specs.filtered_spec(spec, lambda a: a in explicit)))
+  return jax.lax.with_sharding_constraint(
+    x,
+    NamedSharding(
+      mesh, tensor_specs.filtered_spec(spec, lambda a: a not in explicit, P.UNCONSTRAINED)
+    ),
+  )
 
 
 def shard(params: Any, schedule, mesh) -> Any:
@@ -271,9 +283,13 @@ def shard(params: Any, schedule, mesh) -> Any:
       host = storage_from_natural(natural, leaf.entry, schedule.num_devices, np)
       out[k] = jax.device_put(host, shardings[k])
   if on_device:
-    laid_out = _lay_out_on_devices([members[k] for k in on_device],
-                                   [schedule.storage[k] for k in on_device],
-                                   [shardings[k] for k in on_device], schedule, mesh)
+    laid_out = _lay_out_on_devices(
+      [members[k] for k in on_device],
+      [schedule.storage[k] for k in on_device],
+      [shardings[k] for k in on_device],
+      schedule,
+      mesh,
+    )
     for k, x in zip(on_device, laid_out):
       out[k] = x
   return storage_tree(schedule, out, like=params)
@@ -283,15 +299,23 @@ def _lay_out_on_devices(members, storage, shardings, schedule, mesh):
   """One program for all device leaves. A leaf on other devices than the mesh's goes
   through the host; one sharded some other way is replicated first, inside the program."""
   devices = set(mesh.devices.flat)
-  members = [[x if isinstance(x, jax.Array) and x.sharding.device_set == devices else
-              np.asarray(x) for x in values] for values in members]
+  members = [
+    [
+      x if isinstance(x, jax.Array) and x.sharding.device_set == devices else np.asarray(x)
+      for x in values
+    ]
+    for values in members
+  ]
 
   def lay_out(members):
     out = []
     for values, leaf in zip(members, storage):
       natural = natural_of_leaf([place(jnp.asarray(x), mesh, P()) for x in values], leaf)
-      out.append(natural if leaf.entry.persistent else
-                 storage_from_natural(natural, leaf.entry, schedule.num_devices))
+      out.append(
+        natural
+        if leaf.entry.persistent
+        else storage_from_natural(natural, leaf.entry, schedule.num_devices)
+      )
     return out
 
   return jax.jit(lay_out, out_shardings=shardings)(members)
@@ -330,13 +354,18 @@ def unshard(sharded: Any, schedule) -> Any:
   for x, leaf in zip(leaves, schedule.storage):
     expected = storage_shape(leaf.entry, schedule.num_devices)
     if tuple(np.shape(x)) != expected:
-      raise ZjaxError(f"Sharded leaf {leaf.path} has shape {tuple(np.shape(x))}; the "
-                      f"schedule's layout stores it as {expected}.")
+      raise ZjaxError(
+        f"Sharded leaf {leaf.path} has shape {tuple(np.shape(x))}; the "
+        f"schedule's layout stores it as {expected}."
+      )
   meshes = {getattr(getattr(x, "sharding", None), "mesh", None) for x in leaves}
   mesh = meshes.pop() if len(meshes) == 1 else None
   if not isinstance(mesh, jax.sharding.Mesh):  # host or mixed placements: leaf by leaf
-    out = _natural_members(schedule, [jnp.asarray(x) for x in leaves],
-                           lambda x, leaf: natural_from_storage(x, leaf.entry))
+    out = _natural_members(
+      schedule,
+      [jnp.asarray(x) for x in leaves],
+      lambda x, leaf: natural_from_storage(x, leaf.entry),
+    )
   else:
     out = _unshard_program(schedule, mesh)(leaves)
   return reboxed(natural_like(sharded, schedule, out), schedule)
@@ -364,12 +393,13 @@ def _natural_members(schedule, leaves, natural) -> list:
 @functools.lru_cache(maxsize=32)
 def _unshard_program(schedule, mesh):
   def natural(x, leaf):
-    return x if leaf.entry.persistent else natural_from_storage(place(x, mesh, P()),
-                                                                leaf.entry)
+    return x if leaf.entry.persistent else natural_from_storage(place(x, mesh, P()), leaf.entry)
 
   replicated = NamedSharding(mesh, P())
-  return jax.jit(lambda leaves: _natural_members(schedule, leaves, natural),
-                 out_shardings=[replicated] * len(schedule.params))
+  return jax.jit(
+    lambda leaves: _natural_members(schedule, leaves, natural),
+    out_shardings=[replicated] * len(schedule.params),
+  )
 
 
 def check_mesh(schedule, mesh) -> None:
@@ -379,29 +409,39 @@ def check_mesh(schedule, mesh) -> None:
     role = "replicates" if name in config.replicate_axes else "shards"
     if name not in mesh.shape:
       field = "replicate_axes" if role == "replicates" else "shard_axes"
-      raise ZjaxError(f"The mesh has axes {tuple(mesh.shape)}, but the schedule {role} over "
-                      f"{name!r} (ZeroConfig.{field}), an axis this mesh lacks. Plan the "
-                      f"schedule for this mesh (compile_schedule(..., mesh=mesh)).")
+      raise ZjaxError(
+        f"The mesh has axes {tuple(mesh.shape)}, but the schedule {role} over "
+        f"{name!r} (ZeroConfig.{field}), an axis this mesh lacks. Plan the "
+        f"schedule for this mesh (compile_schedule(..., mesh=mesh))."
+      )
     if mesh.shape[name] != size:
-      found = (f"Mesh axis {name!r} has size {mesh.shape[name]}, but the schedule was planned "
-               f"with it as a replicate axis of size {size}" if role == "replicates" else
-               f"The schedule was planned for {size} devices but the mesh axis {name!r} has "
-               f"{mesh.shape[name]}")
+      found = (
+        f"Mesh axis {name!r} has size {mesh.shape[name]}, but the schedule was planned "
+        f"with it as a replicate axis of size {size}"
+        if role == "replicates"
+        else f"The schedule was planned for {size} devices but the mesh axis {name!r} has "
+        f"{mesh.shape[name]}"
+      )
       raise ZjaxError(f"{found}. Plan it for this mesh (compile_schedule(..., mesh=mesh)).")
   for name, size in schedule.tensor_axis_sizes.items():
     if mesh.shape.get(name) != size:
-      raise ZjaxError(f"The schedule splits tensors over axis {name!r} of size {size} "
-                      f"(ZeroConfig.tensor_axes), but the mesh has axes {dict(mesh.shape)}. "
-                      f"Plan it for this mesh (compile_schedule(..., mesh=mesh)).")
+      raise ZjaxError(
+        f"The schedule splits tensors over axis {name!r} of size {size} "
+        f"(ZeroConfig.tensor_axes), but the mesh has axes {dict(mesh.shape)}. "
+        f"Plan it for this mesh (compile_schedule(..., mesh=mesh))."
+      )
   sizes = {**sizes, **schedule.tensor_axis_sizes}
   for name, size in mesh.shape.items():
     if name not in sizes:
-      raise ZjaxError(f"Mesh axis {name!r} has size {size}, but the schedule does not use it "
-                      f"(it is not in ZeroConfig.shard_axes or replicate_axes). Plan the "
-                      f"schedule for this mesh (compile_schedule(..., mesh=mesh)).")
+      raise ZjaxError(
+        f"Mesh axis {name!r} has size {size}, but the schedule does not use it "
+        f"(it is not in ZeroConfig.shard_axes or replicate_axes). Plan the "
+        f"schedule for this mesh (compile_schedule(..., mesh=mesh))."
+      )
 
 
 # ---- per-bucket packing (used per device, inside shard_map) ----------------------------
+
 
 def chunk_size(entry, num_devices: int) -> int:
   return ir.padded_size(entry.size, num_devices) // num_devices
@@ -412,8 +452,8 @@ def unpack_gathered(full_NxC, entries, num_devices) -> list:
   out, offset = [], 0
   for entry in entries:
     c = chunk_size(entry, num_devices)
-    column = full_NxC[:, offset:offset + c].reshape(-1)
-    out.append(column[:entry.size].reshape(entry.shape))
+    column = full_NxC[:, offset : offset + c].reshape(-1)
+    out.append(column[: entry.size].reshape(entry.shape))
     offset += c
   return out
 
@@ -449,7 +489,7 @@ def split_chunks(buffer, entries, num_devices) -> list:
   out, offset = [], 0
   for entry in entries:
     c = chunk_size(entry, num_devices)
-    out.append(buffer[offset:offset + c])
+    out.append(buffer[offset : offset + c])
     offset += c
   return out
 
@@ -466,14 +506,17 @@ def _spec_axes(spec) -> list[str]:
 def natural_leaves(tree, schedule, what) -> list:
   """Leaves of a natural-shape params `tree`, one per parameter in schedule order; an error
   names what differs from the schedule."""
-  return _leaves_by_paths(tree, [p.path for p in schedule.params], what,
-                          "Use the params the schedule was compiled for.")
+  return _leaves_by_paths(
+    tree, [p.path for p in schedule.params], what, "Use the params the schedule was compiled for."
+  )
 
 
 def stored_leaves(tree, schedule, what) -> list:
   """Leaves of a pytree in the sharded layout (schedule.storage order)."""
-  advice = ("Use a pytree in the schedule's sharded layout (zjax.shard(params, schedule, "
-            "mesh)): a rolled run's layers are one stacked leaf at layer 0's path.")
+  advice = (
+    "Use a pytree in the schedule's sharded layout (zjax.shard(params, schedule, "
+    "mesh)): a rolled run's layers are one stacked leaf at layer 0's path."
+  )
   return _leaves_by_paths(tree, [leaf.path for leaf in schedule.storage], what, advice)
 
 
@@ -483,8 +526,10 @@ def _leaves_by_paths(tree, expected, what, advice) -> list:
   if paths != expected:
     missing = sorted(set(expected) - set(paths))
     extra = sorted(set(paths) - set(expected))
-    raise ZjaxError(f"The {what} pytree does not match the schedule's parameters "
-                    f"(missing: {missing[:3]}, unexpected: {extra[:3]}). {advice}")
+    raise ZjaxError(
+      f"The {what} pytree does not match the schedule's parameters "
+      f"(missing: {missing[:3]}, unexpected: {extra[:3]}). {advice}"
+    )
   return [leaf for _, leaf in path_leaves]
 
 
@@ -492,5 +537,7 @@ def _check_leaf(leaf, entry):
   shape = tuple(np.shape(leaf))
   dtype = jnp.dtype(leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype)
   if shape != tuple(entry.shape) or dtype.name != entry.dtype:
-    raise ZjaxError(f"Parameter {entry.path} is {dtype.name}{list(shape)}, but the schedule "
-                    f"expects {entry.dtype}{list(entry.shape)}.")
+    raise ZjaxError(
+      f"Parameter {entry.path} is {dtype.name}{list(shape)}, but the schedule "
+      f"expects {entry.dtype}{list(entry.shape)}."
+    )

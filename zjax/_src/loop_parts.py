@@ -30,6 +30,7 @@ from zjax._src.trace import LAYOUT_PRIMITIVES, sub_jaxprs
 @dataclasses.dataclass(frozen=True)
 class PartIO:
   """What part p of the template reads from outside itself and defines for later."""
+
   start: int  # template op range [start, end)
   end: int
   positions: tuple[int, ...]  # gathered stacked positions (weights) its ops read
@@ -43,8 +44,9 @@ def part_runner(program, run, members, entries, bucket_of) -> "PartRunner":
   are bucket b's layer-0 parameter indices, bucket_of maps a layer-0 parameter to its
   bucket, entries are the parameters (persistent ones are not gathered)."""
   template = roll.template_ops(program, run)
-  sharded = {p: layers[0] for p, layers in enumerate(run.stacked)
-             if not entries[layers[0]].persistent}
+  sharded = {
+    p: layers[0] for p, layers in enumerate(run.stacked) if not entries[layers[0]].persistent
+  }
   replicated = [p for p in range(len(run.stacked)) if p not in sharded]
   avals = {}
   for j, sources in enumerate(run.sources):
@@ -53,8 +55,17 @@ def part_runner(program, run, members, entries, bucket_of) -> "PartRunner":
         avals[src[1]] = template[j].eqn.invars[q].aval
   trained = {i for i in sharded.values() if ir.has_gradient(entries[i])}
   needs = seg_lib.needs_gradient(program, [ir.has_gradient(e) for e in entries])
-  return PartRunner(run, template, sharded, replicated, members, bucket_of, trained, avals,
-                    differentiable_inputs(run, replicated, entries, needs))
+  return PartRunner(
+    run,
+    template,
+    sharded,
+    replicated,
+    members,
+    bucket_of,
+    trained,
+    avals,
+    differentiable_inputs(run, replicated, entries, needs),
+  )
 
 
 def differentiable_inputs(run, replicated, entries, needs_gradient) -> frozenset:
@@ -63,8 +74,11 @@ def differentiable_inputs(run, replicated, entries, needs_gradient) -> frozenset
   persistent per-layer parameters. Not the others, as jax.value_and_grad would not: they
   may feed ops JAX cannot transpose (a while_loop on a float from the batch)."""
   consts = [("const", k) for k, v in enumerate(run.consts) if v in needs_gradient]
-  stacks = [("xs", len(run.xs) + r) for r, p in enumerate(replicated)
-            if ir.has_gradient(entries[run.stacked[p][0]])]
+  stacks = [
+    ("xs", len(run.xs) + r)
+    for r, p in enumerate(replicated)
+    if ir.has_gradient(entries[run.stacked[p][0]])
+  ]
   return frozenset(consts + stacks)
 
 
@@ -75,8 +89,18 @@ class PartRunner:
   layout view of one ("view", j, o: a reshape/transpose/cast chain, applied when the part
   runs, as segments apply views), so that saved residuals never hold a weight's copy."""
 
-  def __init__(self, run, template, gathered: dict, replicated: list, members, bucket_of,
-               trained: set, weight_avals: dict, differentiable: frozenset):
+  def __init__(
+    self,
+    run,
+    template,
+    gathered: dict,
+    replicated: list,
+    members,
+    bucket_of,
+    trained: set,
+    weight_avals: dict,
+    differentiable: frozenset,
+  ):
     """gathered: stacked position -> layer-0 parameter index (gathered per iteration);
     replicated: positions read whole from the xs (persistent); members: bucket -> its
     layer-0 parameter indices; trained: parameter indices that get a gradient;
@@ -126,8 +150,11 @@ class PartRunner:
     for j, sources in enumerate(self.run.sources):
       if self._is_view_op(j):
         continue
-      needed = {self.bucket_of[self.base_of(k)[0]] for k in
-                (self.weight_key(s) for s in sources) if k is not None}
+      needed = {
+        self.bucket_of[self.base_of(k)[0]]
+        for k in (self.weight_key(s) for s in sources)
+        if k is not None
+      }
       if current and needed and not needed <= current:
         ranges.append((start, j))
         start, current = j, set()
@@ -145,14 +172,22 @@ class PartRunner:
         if wkey is not None:
           if wkey not in weights:
             weights.append(wkey)
-        elif key is not None and not (key[0] == "local" and a <= key[1] < b) and \
-            key not in inputs:
+        elif key is not None and not (key[0] == "local" and a <= key[1] < b) and key not in inputs:
           inputs.append(key)
-    later = {self.context_key(s) for j in range(b, len(self.run.sources))
-             if not self._is_view_op(j) for s in self.run.sources[j]}
+    later = {
+      self.context_key(s)
+      for j in range(b, len(self.run.sources))
+      if not self._is_view_op(j)
+      for s in self.run.sources[j]
+    }
     later |= {("local", j, o) for j, o in self.run.carry_out}
-    outputs = [("local", j, o) for j in range(a, b) if not self._is_view_op(j)
-               for o in range(len(self.template[j].outputs)) if ("local", j, o) in later]
+    outputs = [
+      ("local", j, o)
+      for j in range(a, b)
+      if not self._is_view_op(j)
+      for o in range(len(self.template[j].outputs))
+      if ("local", j, o) in later
+    ]
     positions = tuple(dict.fromkeys(self.base_of(k)[0] for k in weights))
     return PartIO(a, b, positions, tuple(inputs), tuple(outputs), tuple(weights))
 
@@ -180,11 +215,18 @@ class PartRunner:
         args = []
         for src in self.run.sources[j]:
           wkey = self.weight_key(src)
-          args.append(src[1] if src[0] == "lit" else weights[wkey] if wkey is not None
-                      else env[self.context_key(src)])
-        env.update((("local", j, o), v) for o, v in
-                   enumerate(seg_lib.apply_op(self.template[j], args)))
+          args.append(
+            src[1]
+            if src[0] == "lit"
+            else weights[wkey]
+            if wkey is not None
+            else env[self.context_key(src)]
+          )
+        env.update(
+          (("local", j, o), v) for o, v in enumerate(seg_lib.apply_op(self.template[j], args))
+        )
       return [env[key] for key in part.outputs]
+
     return run
 
   def forward(self, p, weights, ctx):
@@ -198,8 +240,11 @@ class PartRunner:
     part, run = self.parts[p], self.part_fn(p)
     diff_w = [k for k in part.weights if self.gathered[self.base_of(k)[0]] in self.trained]
     values = [ctx[k] for k in part.inputs]
-    diff_in = [i for i, (k, v) in enumerate(zip(part.inputs, values)) if _is_float(v) and (
-        k[0] in ("local", "carry") or k in self.differentiable)]
+    diff_in = [
+      i
+      for i, (k, v) in enumerate(zip(part.inputs, values))
+      if _is_float(v) and (k[0] in ("local", "carry") or k in self.differentiable)
+    ]
 
     def f(w, xs):
       all_in = list(values)
@@ -216,10 +261,12 @@ class PartRunner:
         q, chain = self.base_of(key)
         if chain:  # back through the layout ops (all linear)
           aval = self.weight_avals[q]
-          (ct,) = jax.linear_transpose(lambda x: seg_lib.apply_chain(chain, x),
-                                       jax.ShapeDtypeStruct(aval.shape, aval.dtype))(ct)
+          (ct,) = jax.linear_transpose(
+            lambda x: seg_lib.apply_chain(chain, x), jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+          )(ct)
         by_position[q] = ct if q not in by_position else by_position[q] + ct
       return by_position, {part.inputs[i]: c for i, c in zip(diff_in, ct_in)}
+
     return outs, vjp_fn, backward
 
   def weights(self, p, layers, placeholder=None) -> dict:
@@ -231,8 +278,11 @@ class PartRunner:
       q, chain = self.base_of(key)
       if q not in bases:
         i, aval = self.gathered[q], self.weight_avals[q]
-        bases[q] = layers[i] if i in layers else (
-            placeholder(q) if placeholder else jnp.zeros(aval.shape, aval.dtype))
+        bases[q] = (
+          layers[i]
+          if i in layers
+          else (placeholder(q) if placeholder else jnp.zeros(aval.shape, aval.dtype))
+        )
       out[key] = seg_lib.apply_chain(chain, bases[q])
     return out
 
@@ -278,8 +328,9 @@ def walk_backward(runner, body, ctx, cts, gather, scatter, tie, placeholder=None
       weights = runner.weights(st.part, layers, _hole(placeholder, st))
       vjp_fn = seg_lib.restore_params(stripped, list(weights.values()))
       outputs = runner.parts[st.part].outputs
-      ct_w, ct_in = backward(vjp_fn, [cts[k] if k in cts else seg_lib.zero_cotangent(ctx[k])
-                                      for k in outputs])
+      ct_w, ct_in = backward(
+        vjp_fn, [cts[k] if k in cts else seg_lib.zero_cotangent(ctx[k]) for k in outputs]
+      )
       for q, c in ct_w.items():
         i = runner.gathered[q]
         grads[i] = c if i not in grads else grads[i] + c
@@ -341,8 +392,10 @@ def unused_gathers(runner, body) -> tuple[set[int], set[tuple]]:
   used = iter(used)
   gather_used = [any([next(used) for _ in runner.members[body[k].bucket]]) for k in gathers]
   hole_used = [next(used) for _ in holes]
-  return ({k for k, u in zip(gathers, gather_used) if not u},
-          {h for h, u in zip(holes, hole_used) if u})
+  return (
+    {k for k, u in zip(gathers, gather_used) if not u},
+    {h for h, u in zip(holes, hole_used) if u},
+  )
 
 
 def backward_op_signatures(runner, body) -> set[tuple]:
@@ -366,8 +419,11 @@ def op_signatures(jaxpr) -> set[tuple]:
 
 
 def op_signature(eqn) -> tuple:
-  return (eqn.primitive.name, tuple(tuple(v.aval.shape) for v in eqn.invars),
-          str(eqn.params.get("dimension_numbers")))
+  return (
+    eqn.primitive.name,
+    tuple(tuple(v.aval.shape) for v in eqn.invars),
+    str(eqn.params.get("dimension_numbers")),
+  )
 
 
 def _traced_backward(runner, body):
@@ -379,32 +435,50 @@ def _traced_backward(runner, body):
   spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
   member_avals = {runner.gathered[q]: spec(a) for q, a in runner.weight_avals.items()}
   gathers = [k for k, st in enumerate(body) if st.op == "gather"]
-  holes = [(st.op, st.part, q) for st in body if st.op in ("recompute", "compute")
-           for q in runner.parts[st.part].positions]
+  holes = [
+    (st.op, st.part, q)
+    for st in body
+    if st.op in ("recompute", "compute")
+    for q in runner.parts[st.part].positions
+  ]
   computed = {k for st in body if st.op == "recompute" for k in runner.parts[st.part].outputs}
-  ctx_keys = [k for k in avals if k[0] != "local"] + sorted({
-      k for st in body if st.op == "recompute" for k in runner.parts[st.part].inputs
-      if k[0] == "local" and k not in computed})
-  ct_keys = [("local", j, o) for j, o in runner.run.carry_out
-             if ir.is_float(avals[("local", j, o)].dtype)]
+  ctx_keys = [k for k in avals if k[0] != "local"] + sorted(
+    {
+      k
+      for st in body
+      if st.op == "recompute"
+      for k in runner.parts[st.part].inputs
+      if k[0] == "local" and k not in computed
+    }
+  )
+  ct_keys = [
+    ("local", j, o) for j, o in runner.run.carry_out if ir.is_float(avals[("local", j, o)].dtype)
+  ]
 
   def run(gathered, ctx_values, ct_values, hole_values):
     values, fill, scattered = iter(gathered), dict(zip(holes, hole_values)), []
-    cts = walk_backward(runner, body, dict(zip(ctx_keys, ctx_values)),
-                        dict(zip(ct_keys, ct_values)),
-                        lambda b, tie: dict(zip(runner.members[b], next(values))),
-                        lambda b, grads: scattered.extend(grads.values()), None,
-                        lambda op, p, q: fill[(op, p, q)])
+    cts = walk_backward(
+      runner,
+      body,
+      dict(zip(ctx_keys, ctx_values)),
+      dict(zip(ct_keys, ct_values)),
+      lambda b, tie: dict(zip(runner.members[b], next(values))),
+      lambda b, grads: scattered.extend(grads.values()),
+      None,
+      lambda op, p, q: fill[(op, p, q)],
+    )
     return [cts[k] for k in ctx_keys if k in cts] + scattered
 
   closed = jax.make_jaxpr(run)(
-      [[member_avals[i] for i in runner.members[body[k].bucket]] for k in gathers],
-      [spec(avals[k]) for k in ctx_keys], [spec(avals[k]) for k in ct_keys],
-      [member_avals[runner.gathered[q]] for _, _, q in holes])
+    [[member_avals[i] for i in runner.members[body[k].bucket]] for k in gathers],
+    [spec(avals[k]) for k in ctx_keys],
+    [spec(avals[k]) for k in ct_keys],
+    [member_avals[runner.gathered[q]] for _, _, q in holes],
+  )
   jaxpr, used = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
   weights = sum(len(runner.members[body[k].bucket]) for k in gathers)
   skipped = len(ctx_keys) + len(ct_keys)
-  return jaxpr, used[:weights] + used[weights + skipped:], gathers, holes
+  return jaxpr, used[:weights] + used[weights + skipped :], gathers, holes
 
 
 def backward_reads(runner, p, bucket_of_position) -> tuple[int, ...]:
@@ -422,8 +496,11 @@ def whole_layer_backward(runner, gathered) -> list:
   """A backward iteration that gathers `gathered` first, then recomputes every part and
   runs their vjps in reverse (what a whole-layer loop does)."""
   parts = range(len(runner.parts))
-  return ([_step("gather", b) for b in gathered] + [_step(ir.RECOMPUTE_OP, part=p) for p in parts]
-          + [_step("compute", part=p) for p in reversed(parts)])
+  return (
+    [_step("gather", b) for b in gathered]
+    + [_step(ir.RECOMPUTE_OP, part=p) for p in parts]
+    + [_step("compute", part=p) for p in reversed(parts)]
+  )
 
 
 def _step(op, bucket=None, part=None):

@@ -41,8 +41,9 @@ def stacked_params(program: FlatProgram, params, candidates: set[int]) -> dict[i
     if op.primitive != "scan" or not p.shape or p.shape[0] != op.eqn.params["length"]:
       continue
     positions = input_positions(op, p.index, views)
-    if positions and all(chains.get(op.inputs[j]) is not None and
-                         reads_one_layer(program, op, j) for j in positions):
+    if positions and all(
+      chains.get(op.inputs[j]) is not None and reads_one_layer(program, op, j) for j in positions
+    ):
       out[p.index] = op_index
   return out
 
@@ -93,17 +94,25 @@ def _iteration_values(program, op) -> dict:
   for k in range(num_carry):  # a counter carried from 0 in steps of 1, forward
     inner, outer = body.invars[num_consts + k], eqn.invars[num_consts + k]
     step = producers.get(body.outvars[k])
-    if (not eqn.params["reverse"] and isinstance(outer, jex.Literal) and outer.val == 0
-        and step is not None and step.primitive.name == "add"
-        and _is_counter_step(step.invars, inner)):
+    if (
+      not eqn.params["reverse"]
+      and isinstance(outer, jex.Literal)
+      and outer.val == 0
+      and step is not None
+      and step.primitive.name == "add"
+      and _is_counter_step(step.invars, inner)
+    ):
       values[inner] = _ITER
   top = {o: p for p in program.ops for o in p.outputs}
-  for k, inner in enumerate(body.invars[num_consts + num_carry:]):  # xs = arange(L)
+  for k, inner in enumerate(body.invars[num_consts + num_carry :]):  # xs = arange(L)
     source = op.inputs[num_consts + num_carry + k]
     producer = top.get(source) if isinstance(source, int) else None
-    if (producer is not None and producer.primitive == "iota"
-        and producer.eqn.params["dimension"] == 0
-        and tuple(producer.eqn.params["shape"]) == (eqn.params["length"],)):
+    if (
+      producer is not None
+      and producer.primitive == "iota"
+      and producer.eqn.params["dimension"] == 0
+      and tuple(producer.eqn.params["shape"]) == (eqn.params["length"],)
+    ):
       values[inner] = _ITER
   return values
 
@@ -123,8 +132,11 @@ def _propagate(eqn, values):
   """Abstract interpretation of scalar index arithmetic (what jnp indexing emits)."""
   name, ins = eqn.primitive.name, [_value(v, values) for v in eqn.invars]
   out = None
-  if name == "convert_element_type" and ins[0] is not None and \
-      np.issubdtype(np.dtype(eqn.params["new_dtype"]), np.integer):
+  if (
+    name == "convert_element_type"
+    and ins[0] is not None
+    and np.issubdtype(np.dtype(eqn.params["new_dtype"]), np.integer)
+  ):
     out = ins[0]
   elif name == "lt" and ins[0] == _ITER and ins[1] == ("const", 0):
     out = ("const", False)  # a layer index is never negative
@@ -138,13 +150,15 @@ def _propagate(eqn, values):
 
 
 def _is_layer_slice(eqn, const, values) -> bool:
-  if eqn.primitive.name != "dynamic_slice" or eqn.invars[0] is not const or \
-      const in eqn.invars[1:]:
+  if eqn.primitive.name != "dynamic_slice" or eqn.invars[0] is not const or const in eqn.invars[1:]:
     return False
   starts = [_value(v, values) for v in eqn.invars[1:]]
   shape = tuple(const.aval.shape)
-  return (tuple(eqn.params["slice_sizes"]) == (1,) + shape[1:] and starts[0] == _ITER
-          and all(s == ("const", 0) for s in starts[1:]))
+  return (
+    tuple(eqn.params["slice_sizes"]) == (1,) + shape[1:]
+    and starts[0] == _ITER
+    and all(s == ("const", 0) for s in starts[1:])
+  )
 
 
 def _view_ops(program, views, num_params) -> dict[int, tuple]:
@@ -187,11 +201,13 @@ def iteration_vjp(eqn, differentiated) -> tuple:
       it = iter(diffed)
       values = [next(it) if d else x for x, d in zip(inputs, differentiated)]
       return [o for o, keep in zip(jex.jaxpr_as_fun(body)(*values), outs) if keep]
+
     _, vjp_fn = jax.vjp(f, *[x for x, d in zip(inputs, differentiated) if d])
     return vjp_fn(cts)
 
   spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
   closed = jax.make_jaxpr(backward)(
-      [spec(v.aval) for v in body.jaxpr.invars],
-      [spec(v.aval) for v, keep in zip(body.jaxpr.outvars, outs) if keep])
+    [spec(v.aval) for v in body.jaxpr.invars],
+    [spec(v.aval) for v, keep in zip(body.jaxpr.outvars, outs) if keep],
+  )
   return pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))

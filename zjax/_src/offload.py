@@ -31,9 +31,11 @@ def check_host_memory(mesh) -> None:
   device = mesh.devices.flat[0]
   kinds = sorted({m.kind for m in device.addressable_memories()})
   if HOST not in kinds:
-    raise ZjaxError(f"offload_optimizer=True needs host memory of kind {HOST!r}, but the "
-                    f"{device.platform} backend's devices offer {kinds}. Train without "
-                    f"offload on this backend (offload_optimizer=False).")
+    raise ZjaxError(
+      f"offload_optimizer=True needs host memory of kind {HOST!r}, but the "
+      f"{device.platform} backend's devices offer {kinds}. Train without "
+      f"offload on this backend (offload_optimizer=False)."
+    )
 
 
 def with_kind(sharding, kind):
@@ -47,8 +49,9 @@ def place(tree, shardings, kind):
 
 def copy_dtypes(schedule) -> list:
   """dtype of each storage leaf's device copy: the compute dtype for floats."""
-  return [ir.gather_dtype(leaf.entry.dtype, schedule.config.compute_dtype)
-          for leaf in schedule.storage]
+  return [
+    ir.gather_dtype(leaf.entry.dtype, schedule.config.compute_dtype) for leaf in schedule.storage
+  ]
 
 
 def device_copies(masters, dtypes):
@@ -75,8 +78,9 @@ def to_space(tree, space: str):
 def on_host(fn):
   """fn as a computation on the host (inputs and outputs in host memory)."""
   if "out_memory_spaces" in inspect.signature(compute_on).parameters:  # jax >= 0.11
-    return compute_on(compute_type="device_host",
-                      out_memory_spaces=jax.memory.Space.Host)(jax.jit(fn))
+    return compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)(
+      jax.jit(fn)
+    )
   return compute_on("device_host")(jax.jit(fn))
 
 
@@ -89,5 +93,3 @@ def bytes_by_kind(tree) -> dict:
 def leaf_shardings(schedule, mesh) -> list:
   """The storage leaves' device shardings (schedule.storage order)."""
   return [NamedSharding(mesh, spec) for spec in layout.storage_specs(schedule)]
-
-

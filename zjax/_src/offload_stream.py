@@ -76,8 +76,11 @@ def _called_jaxpr(eqn):
   for name in ("jaxpr", "call_jaxpr"):
     inner = eqn.params.get(name)
     inner = getattr(inner, "jaxpr", inner)  # ClosedJaxpr -> Jaxpr
-    if (isinstance(inner, jcore.Jaxpr) and len(inner.invars) == len(eqn.invars)
-        and len(inner.outvars) == len(eqn.outvars)):
+    if (
+      isinstance(inner, jcore.Jaxpr)
+      and len(inner.invars) == len(eqn.invars)
+      and len(inner.outvars) == len(eqn.outvars)
+    ):
       return inner
   return None
 
@@ -89,19 +92,22 @@ def separable(update, grads, opt_state, masters, finite, state_group, master_gro
   abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
   jaxpr = jax.make_jaxpr(update)(*map(abstract, (grads, opt_state, masters, finite))).jaxpr
   n_grads = len(jax.tree.leaves(grads))
-  classes = ([ANY] * n_grads + [SHARED if g is None else g for g in state_group] +
-             list(master_group) + [ANY])
+  classes = (
+    [ANY] * n_grads + [SHARED if g is None else g for g in state_group] + list(master_group) + [ANY]
+  )
   out_groups = list(master_group) + [SHARED if g is None else g for g in state_group]
-  names = ([f"master {p}" for p in _paths(masters)] +
-           [f"optimizer state {p}" for p in _paths(opt_state)])
+  names = [f"master {p}" for p in _paths(masters)] + [
+    f"optimizer state {p}" for p in _paths(opt_state)
+  ]
   for name, group, deps in zip(names, out_groups, dependencies(jaxpr)):
     if group is None:  # an untrained parameter's master: not updated, not streamed
       continue
     allowed = {ANY, SHARED, group}
     foreign = [i for i in deps if classes[i] not in allowed]
     if foreign:
-      return (f"the new {name} depends on another sub-group's leaf "
-              f"(input {foreign[0]} of the update)")
+      return (
+        f"the new {name} depends on another sub-group's leaf (input {foreign[0]} of the update)"
+      )
   return None
 
 
@@ -109,8 +115,9 @@ def _paths(tree):
   return [keystr(path) for path, _ in tree_flatten_with_path(tree)[0]]
 
 
-def streamed_update(update, grads, opt_state, masters, copies, groups, finite, copy_dtypes,
-                    copies_kind=offload.DEVICE):
+def streamed_update(
+  update, grads, opt_state, masters, copies, groups, finite, copy_dtypes, copies_kind=offload.DEVICE
+):
   """(new masters on the host, new optimizer state on the host, new parameter copies in
   `copies_kind` memory (offload_params: the host)): the offloaded update, sub-group by
   sub-group. `update(grads, opt_state, masters, finite, groups)` is the whole-tree update
@@ -127,8 +134,11 @@ def streamed_update(update, grads, opt_state, masters, copies, groups, finite, c
     return _whole_update(update, grads, opt_state, masters, finite, copy_dtypes, copies_kind)
   reason = separable(update, grads, opt_state, masters, finite, state_group, master_group)
   if reason is not None:
-    warnings.warn(f"offload_optimizer: the optimizer step moves the whole state at once, "
-                  f"not sub-group by sub-group: {reason}.", stacklevel=2)
+    warnings.warn(
+      f"offload_optimizer: the optimizer step moves the whole state at once, "
+      f"not sub-group by sub-group: {reason}.",
+      stacklevel=2,
+    )
     return _whole_update(update, grads, opt_state, masters, finite, copy_dtypes, copies_kind)
 
   shared = [j for j, g in enumerate(state_group) if g is None]
@@ -155,8 +165,9 @@ def streamed_update(update, grads, opt_state, masters, copies, groups, finite, c
       m_call[i] = x
     for j, x in zip(mine, dev_o):
       o_call[j] = x
-    out_m, out_o = update(grads, tree_unflatten(o_def, o_call), tree_unflatten(m_def, m_call),
-                          finite, [group])
+    out_m, out_o = update(
+      grads, tree_unflatten(o_def, o_call), tree_unflatten(m_def, m_call), finite, [group]
+    )
     out_m, out_o = tree_flatten(out_m)[0], tree_flatten(out_o)[0]
     results = ([out_m[i] for i in group], [out_o[j] for j in mine])
     done.append(results)
@@ -173,13 +184,13 @@ def streamed_update(update, grads, opt_state, masters, copies, groups, finite, c
     if g == 0:  # the shared state's new value (every group computes the same)
       for j, x in zip(shared, offload.to_space([out_o[j] for j in shared], "host")):
         new_o[j] = x
-  return (tree_unflatten(m_def, new_m), tree_unflatten(o_def, new_o),
-          tree_unflatten(m_def, new_c))
+  return (tree_unflatten(m_def, new_m), tree_unflatten(o_def, new_o), tree_unflatten(m_def, new_c))
 
 
 def _whole_update(update, grads, opt_state, masters, finite, copy_dtypes, copies_kind):
-  new_m, new_o = update(grads, offload.to_space(opt_state, "device"),
-                        offload.to_space(masters, "device"), finite)
+  new_m, new_o = update(
+    grads, offload.to_space(opt_state, "device"), offload.to_space(masters, "device"), finite
+  )
   copies = offload.device_copies(new_m, copy_dtypes)
   if copies_kind == offload.HOST:
     copies = offload.to_space(copies, "host")
@@ -202,12 +213,15 @@ def predicted(schedule, groups, state_factor: int = 2, params_on_host: bool = Fa
   trained = sum(local[i] for group in groups for i in group)
   copies = sum(e * ir.gather_dtype(d, compute).itemsize for e, d in zip(local, dtypes))
   host = sum(e * d.itemsize for e, d in zip(local, dtypes)) + trained * 4 * state_factor
-  return {"device_bytes": 0 if params_on_host else copies,
-          "host_bytes": host + (copies if params_on_host else 0),
-          "params_on_host": params_on_host,
-          "param_transfer_bytes": param_transfer_bytes(schedule) if params_on_host else 0,
-          "sub_groups": len(groups), "stream_device_bytes": max(pairs),
-          "whole_state_bytes": sum(group_bytes)}
+  return {
+    "device_bytes": 0 if params_on_host else copies,
+    "host_bytes": host + (copies if params_on_host else 0),
+    "params_on_host": params_on_host,
+    "param_transfer_bytes": param_transfer_bytes(schedule) if params_on_host else 0,
+    "sub_groups": len(groups),
+    "stream_device_bytes": max(pairs),
+    "whole_state_bytes": sum(group_bytes),
+  }
 
 
 def param_transfer_bytes(schedule) -> int:
@@ -224,6 +238,9 @@ def param_transfer_bytes(schedule) -> int:
       if st.op == "gather":
         dtype = ir.gather_dtype(schedule.buckets[st.bucket].dtype, config.compute_dtype)
         total += elements[st.bucket] // n * dtype.itemsize
-  return total + sum(ir.local_elements(leaf.entry, n) *
-                     ir.gather_dtype(leaf.entry.dtype, config.compute_dtype).itemsize
-                     for leaf in schedule.storage if leaf.entry.persistent)
+  return total + sum(
+    ir.local_elements(leaf.entry, n)
+    * ir.gather_dtype(leaf.entry.dtype, config.compute_dtype).itemsize
+    for leaf in schedule.storage
+    if leaf.entry.persistent
+  )

@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zjax._src import ir, layout
 from zjax._src.errors import ZjaxError
@@ -66,8 +67,7 @@ def representatives(schedule, trainable) -> list:
   seen, reps = set(), []
   for leaf, trains in zip(schedule.storage, trainable):
     e = leaf.entry
-    kind = (e.shape[1:] if leaf.rolled else e.shape, e.dtype, e.persistent, e.stacked,
-            leaf.rolled)
+    kind = (e.shape[1:] if leaf.rolled else e.shape, e.dtype, e.persistent, e.stacked, leaf.rolled)
     if trains and kind not in seen:
       seen.add(kind)
       reps.append(_two_layers(leaf, schedule) if leaf.rolled else leaf)
@@ -80,9 +80,14 @@ def _two_layers(leaf, schedule):
 
 
 def _cache_key(optimizer, schedule, reps):
-  key = (optimizer, schedule.num_devices,
-         tuple((r.path, r.entry.shape, r.entry.dtype, r.entry.persistent, r.entry.stacked,
-                r.rolled) for r in reps))
+  key = (
+    optimizer,
+    schedule.num_devices,
+    tuple(
+      (r.path, r.entry.shape, r.entry.dtype, r.entry.persistent, r.entry.stacked, r.rolled)
+      for r in reps
+    ),
+  )
   try:
     hash(key)
   except TypeError:  # an optimizer object that cannot be hashed: not cached
@@ -98,17 +103,28 @@ def _find_error(optimizer, schedule, mesh, treedef, trainable, reps, name) -> st
   except _CannotRunNatural:  # needs the params' own structure (e.g. a label pytree)
     trains = {p.path: ir.is_trained(p) for p in schedule.params}
     mask = lambda tree: jax.tree_util.tree_map_with_path(
-        lambda path, _: trains[jax.tree_util.keystr(path)], tree)
+      lambda path, _: trains[jax.tree_util.keystr(path)], tree
+    )
     order = [i for leaf in schedule.storage for i in leaf.members]  # the probe's order
     natural = lambda values: layout.natural_tree(
-        schedule, [x for _, x in sorted(zip(order, values), key=lambda pair: pair[0])])
+      schedule, [x for _, x in sorted(zip(order, values), key=lambda pair: pair[0])]
+    )
     stored = lambda leaves: jax.tree_util.tree_unflatten(treedef, leaves)
     try:
-      return _probe(optax.masked(optimizer, mask), schedule, auto, list(schedule.storage),
-                    natural, stored, name, judged=trainable)
+      return _probe(
+        optax.masked(optimizer, mask),
+        schedule,
+        auto,
+        list(schedule.storage),
+        natural,
+        stored,
+        name,
+        judged=trainable,
+      )
     except _CannotRunNatural as e:
-      raise ZjaxError(f"The optimizer {name} fails on the parameters themselves (before "
-                      f"any sharding): {e}") from None
+      raise ZjaxError(
+        f"The optimizer {name} fails on the parameters themselves (before any sharding): {e}"
+      ) from None
 
 
 def _trees_by_paths(schedule, leaves):
@@ -143,11 +159,14 @@ def _probe(optimizer, schedule, mesh, leaves, natural, stored, name, judged=None
   try:
     table = np.asarray(program(params, grads))
   except Exception as e:  # the transform cannot even run on flat leaves
-    return (f"The optimizer {name} cannot run on the sharded layout (flat, padded leaves): "
-            f"{type(e).__name__}: {e}. It depends on parameter shapes; use an element-wise "
-            f"optimizer (sgd, adam, adamw, lion, ...).")
-  judged_members = [(leaf, schedule.params[i]) for leaf, j in zip(leaves, judged) if j
-                    for i in leaf.members]
+    return (
+      f"The optimizer {name} cannot run on the sharded layout (flat, padded leaves): "
+      f"{type(e).__name__}: {e}. It depends on parameter shapes; use an element-wise "
+      f"optimizer (sgd, adam, adamw, lion, ...)."
+    )
+  judged_members = [
+    (leaf, schedule.params[i]) for leaf, j in zip(leaves, judged) if j for i in leaf.members
+  ]
   for step, rows in enumerate(table):
     for (leaf, entry), (diff, pad, scale) in zip(judged_members, rows):
       error = _judge(name, leaf, entry, step, float(diff), float(pad), float(scale))
@@ -159,18 +178,27 @@ def _probe(optimizer, schedule, mesh, leaves, natural, stored, name, judged=None
 def _judge(name, leaf, entry, step, diff, pad, scale) -> str | None:
   if pad == 0.0 and diff <= _RTOL * max(scale, 1e-30):
     return None
-  what = (f"writes into the zero padding (max {pad:.3g})" if pad else
-          f"differs from optax on the whole parameter (max difference {diff:.3g} vs update "
-          f"scale {scale:.3g})")
-  rolled = (" Its layers are stored as one stacked leaf (rolled layers): statistics or "
-            "labels per leaf see every layer at once there. Use "
-            "ZeroConfig(roll_layers=False) with this optimizer, or one that is element-wise "
-            "or uses global norms." if leaf.rolled else "")
-  return (f"The optimizer {name} is not shard-compatible: on the flat sharded layout its "
-          f"update of {entry.path} (shape {list(entry.shape)}, update {step + 1}) {what}.{rolled}"
-          f" It depends on parameter shapes (like Adafactor's factored moments or Muon's "
-          f"orthogonalisation); use an element-wise or norm-based optimizer (sgd, adam, adamw, "
-          f"lion, lamb, lars, ...).")
+  what = (
+    f"writes into the zero padding (max {pad:.3g})"
+    if pad
+    else f"differs from optax on the whole parameter (max difference {diff:.3g} vs update "
+    f"scale {scale:.3g})"
+  )
+  rolled = (
+    " Its layers are stored as one stacked leaf (rolled layers): statistics or "
+    "labels per leaf see every layer at once there. Use "
+    "ZeroConfig(roll_layers=False) with this optimizer, or one that is element-wise "
+    "or uses global norms."
+    if leaf.rolled
+    else ""
+  )
+  return (
+    f"The optimizer {name} is not shard-compatible: on the flat sharded layout its "
+    f"update of {entry.path} (shape {list(entry.shape)}, update {step + 1}) {what}.{rolled}"
+    f" It depends on parameter shapes (like Adafactor's factored moments or Muon's "
+    f"orthogonalisation); use an element-wise or norm-based optimizer (sgd, adam, adamw, "
+    f"lion, lamb, lars, ...)."
+  )
 
 
 def _comparison(optimizer, schedule, mesh, leaves, judged, natural, stored):
@@ -186,21 +214,30 @@ def _comparison(optimizer, schedule, mesh, leaves, judged, natural, stored):
     it, out = iter(member_values), []
     for leaf in leaves:
       x = layout.natural_of_leaf([whole(next(it)) for _ in leaf.members], leaf)
-      out.append(jax.lax.with_sharding_constraint(
+      out.append(
+        jax.lax.with_sharding_constraint(
           layout.storage_from_natural(x, leaf.entry, n),
-          NamedSharding(mesh, layout.storage_spec(leaf.entry, axis))))
+          NamedSharding(mesh, layout.storage_spec(leaf.entry, axis)),
+        )
+      )
     return out
 
   def leaf_rows(leaf, naturals, flat_update):
     flat_update = whole(flat_update).astype(jnp.float32)
-    backs = layout.members_of_natural(layout.natural_from_storage(flat_update, leaf.entry),
-                                      leaf)
+    backs = layout.members_of_natural(layout.natural_from_storage(flat_update, leaf.entry), leaf)
     pad = jnp.max(jnp.abs(layout.storage_padding(flat_update, leaf.entry)), initial=0.0)
     rows = []
     for natural_update, back in zip(naturals, backs):
       natural_update = whole(natural_update).astype(jnp.float32)
-      rows.append(jnp.stack([jnp.max(jnp.abs(back - natural_update), initial=0.0), pad,
-                             jnp.max(jnp.abs(natural_update), initial=0.0)]))
+      rows.append(
+        jnp.stack(
+          [
+            jnp.max(jnp.abs(back - natural_update), initial=0.0),
+            pad,
+            jnp.max(jnp.abs(natural_update), initial=0.0),
+          ]
+        )
+      )
     return rows
 
   # which input each flattened leaf of a built tree is (the builders may reorder: nested
@@ -234,8 +271,10 @@ def _updates(optimizer, params, grads_list):
   for g in grads_list:
     updates, state = optimizer.update(g, state, params)
     params = jax.tree.map(
-        lambda p, u: optax.apply_updates(p, u) if jnp.issubdtype(p.dtype, jnp.inexact)
-        else p, params, updates)
+      lambda p, u: optax.apply_updates(p, u) if jnp.issubdtype(p.dtype, jnp.inexact) else p,
+      params,
+      updates,
+    )
     outs.append(updates)
   return outs
 

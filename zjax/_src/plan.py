@@ -50,22 +50,36 @@ import jax.numpy as jnp
 import numpy as np
 
 from zjax._src import ir, loop_parts, loops, roll, tensor_comm, tensor_parallel
-from zjax._src import tensor_specs as tensor_specs_lib
 from zjax._src import segments as seg_lib
+from zjax._src import tensor_specs as tensor_specs_lib
 from zjax._src.config import ZeroConfig
 from zjax._src.errors import ScheduleError
 from zjax._src.schedule import Schedule, program_hash
-from zjax._src.trace import (ProgramTrace, data_axis_bound, gradient_free, param_views,
-                              trace_for_schedule)
+from zjax._src.trace import (
+  ProgramTrace,
+  data_axis_bound,
+  gradient_free,
+  param_views,
+  trace_for_schedule,
+)
 
 
-def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
-                     num_devices: int | None = None, config: ZeroConfig | None = None,
-                     frozen: Any = None, extra: Any = None,
-                     platform: str | None = None,
-                     replica_sizes: tuple[int, ...] | None = None,
-                     axis_sizes: dict[str, int] | None = None,
-                     tensor_specs: Any = None, logical_axis_rules: Any = None) -> Schedule:
+def compile_schedule(
+  loss_fn: Callable,
+  params: Any,
+  batch: Any,
+  *,
+  mesh=None,
+  num_devices: int | None = None,
+  config: ZeroConfig | None = None,
+  frozen: Any = None,
+  extra: Any = None,
+  platform: str | None = None,
+  replica_sizes: tuple[int, ...] | None = None,
+  axis_sizes: dict[str, int] | None = None,
+  tensor_specs: Any = None,
+  logical_axis_rules: Any = None,
+) -> Schedule:
   """Trace `loss_fn(params, batch)` and plan its ZeRO-3 schedule.
 
   Args:
@@ -117,15 +131,23 @@ def compile_schedule(loss_fn: Callable, params: Any, batch: Any, *, mesh=None,
   if not isinstance(config, ZeroConfig):
     raise TypeError(f"config must be a zjax.ZeroConfig, got {type(config).__name__}.")
   sizes = resolve_axis_sizes(config, mesh, num_devices, replica_sizes, axis_sizes)
-  tensor = tensor_parallel.resolve(params, config, mesh, axis_sizes, tensor_specs,
-                                   logical_axis_rules)
+  tensor = tensor_parallel.resolve(
+    params, config, mesh, axis_sizes, tensor_specs, logical_axis_rules
+  )
   given, params = params, tensor_specs_lib.unbox(params)
-  trace = trace_for_schedule(loss_fn, params, batch, config, sizes, extra,
-                             mesh=_trace_mesh(config, mesh, axis_sizes))
+  trace = trace_for_schedule(
+    loss_fn, params, batch, config, sizes, extra, mesh=_trace_mesh(config, mesh, axis_sizes)
+  )
   if platform is None:
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-  schedule = plan_schedule(trace, config, sizes, frozen=_frozen_indices(params, frozen, trace),
-                           platform=platform, tensor=tensor)
+  schedule = plan_schedule(
+    trace,
+    config,
+    sizes,
+    frozen=_frozen_indices(params, frozen, trace),
+    platform=platform,
+    tensor=tensor,
+  )
   object.__setattr__(schedule, "params_treedef", jax.tree_util.tree_structure(params))
   if given is not params:  # Flax boxes: unshard gives them back
     object.__setattr__(schedule, "boxed_treedef", jax.tree_util.tree_structure(given))
@@ -146,16 +168,24 @@ def _frozen_indices(params, frozen, trace) -> frozenset:
   if callable(frozen):
     return frozenset(p.index for p in trace.params if frozen(p.path))
   flags = jax.tree.leaves(frozen)
-  if jax.tree_util.tree_structure(frozen) != jax.tree_util.tree_structure(params) or \
-      not all(isinstance(f, (bool, np.bool_)) for f in flags):
-    raise ValueError("frozen must be a function of the parameter path, or a pytree of bools "
-                     "with the params' structure (True = frozen).")
+  if jax.tree_util.tree_structure(frozen) != jax.tree_util.tree_structure(params) or not all(
+    isinstance(f, (bool, np.bool_)) for f in flags
+  ):
+    raise ValueError(
+      "frozen must be a function of the parameter path, or a pytree of bools "
+      "with the params' structure (True = frozen)."
+    )
   return frozenset(i for i, f in enumerate(flags) if f)
 
 
-def plan_schedule(trace: ProgramTrace, config: ZeroConfig, axis_sizes: dict[str, int],
-                  frozen: frozenset = frozenset(), platform: str = "",
-                  tensor=None) -> Schedule:
+def plan_schedule(
+  trace: ProgramTrace,
+  config: ZeroConfig,
+  axis_sizes: dict[str, int],
+  frozen: frozenset = frozenset(),
+  platform: str = "",
+  tensor=None,
+) -> Schedule:
   """Plan a schedule from a traced program (see the module docstring for the steps);
   `axis_sizes`: the size of every data axis (`resolve_axis_sizes`); `tensor`: tensor
   parallelism (`tensor_parallel.resolve`), None without."""
@@ -170,8 +200,9 @@ def _plan(trace, config, axis_sizes, frozen, platform, tensor) -> Schedule:
     try:
       return _plan_with(trace, config, axis_sizes, frozen, platform, rolling, tensor)
     except _DoNotRoll as e:  # plan that run unrolled, and say why
-      rolling = roll.Rolling(tuple(r for r in e.rolling.runs if r is not e.run),
-                             e.rolling.notes + (e.reason,))
+      rolling = roll.Rolling(
+        tuple(r for r in e.rolling.runs if r is not e.run), e.rolling.notes + (e.reason,)
+      )
 
 
 class _DoNotRoll(Exception):
@@ -184,73 +215,128 @@ def _plan_with(trace, config, axis_sizes, frozen, platform, rolling, tensor) -> 
   num_devices = int(np.prod([axis_sizes[a] for a in config.storage_axes], dtype=np.int64))
   replica_sizes = tuple(axis_sizes[a] for a in config.replicate_axes)
   shard_sizes = tuple(axis_sizes[a] for a in config.shard_axes)
-  persistent = {p.index for p in trace.params
-                if num_devices == 1 or p.size <= config.param_persistence_threshold}
+  persistent = {
+    p.index
+    for p in trace.params
+    if num_devices == 1 or p.size <= config.param_persistence_threshold
+  }
   sharded = {p.index for p in trace.params if p.index not in persistent}
   stacked = loops.stacked_params(trace.program, trace.params, sharded)
   tensor = tensor_parallel.per_layer(trace, tensor, stacked)
   zero_gradient = _zero_gradient(trace, frozen)
   if rolling is None:
-    rolling = _find_rolling(trace, config, persistent, frozen, zero_gradient,
-                            set(stacked.values()), tensor)
-  layers_of = {run.stacked[p][0]: run.stacked[p] for run in rolling.runs
-               for p in range(len(run.stacked)) if run.stacked[p][0] in sharded}
+    rolling = _find_rolling(
+      trace, config, persistent, frozen, zero_gradient, set(stacked.values()), tensor
+    )
+  layers_of = {
+    run.stacked[p][0]: run.stacked[p]
+    for run in rolling.runs
+    for p in range(len(run.stacked))
+    if run.stacked[p][0] in sharded
+  }
   groups = _group_buckets(trace, persistent, frozen, zero_gradient, stacked, layers_of)
   bucket_of = {i: b for b, (*_, members) in enumerate(groups) for i in members}
   bucket_of.update({i: bucket_of[layers[0]] for layers in layers_of.values() for i in layers})
-  stack_of = {i: (trace.params[layers[0]].path, layer) for run in rolling.runs
-              for layers in run.stacked for layer, i in enumerate(layers)}
+  stack_of = {
+    i: (trace.params[layers[0]].path, layer)
+    for run in rolling.runs
+    for layers in run.stacked
+    for layer, i in enumerate(layers)
+  }
   entries = tuple(
-      ir.ParamEntry(path=p.path, shape=p.shape, dtype=p.dtype.name,
-                    persistent=p.index in persistent, bucket=bucket_of.get(p.index),
-                    uses=tuple(u.op for u in p.uses), frozen=p.index in frozen,
-                    stacked=p.index in stacked, stack=stack_of.get(p.index, ("", 0))[0],
-                    layer=stack_of.get(p.index, ("", 0))[1],
-                    tensor_dim=tensor.dim(p.index),
-                    tensor_size=tensor.size if tensor.dim(p.index) is not None else 1,
-                    zero_gradient=p.index in zero_gradient)
-      for p in trace.params)
+    ir.ParamEntry(
+      path=p.path,
+      shape=p.shape,
+      dtype=p.dtype.name,
+      persistent=p.index in persistent,
+      bucket=bucket_of.get(p.index),
+      uses=tuple(u.op for u in p.uses),
+      frozen=p.index in frozen,
+      stacked=p.index in stacked,
+      stack=stack_of.get(p.index, ("", 0))[0],
+      layer=stack_of.get(p.index, ("", 0))[1],
+      tensor_dim=tensor.dim(p.index),
+      tensor_size=tensor.size if tensor.dim(p.index) is not None else 1,
+      zero_gradient=p.index in zero_gradient,
+    )
+    for p in trace.params
+  )
   buckets = tuple(
-      ir.Bucket(id=b, module=module, dtype=dtype,
-                params=tuple(trace.params[i].path for i in members), frozen=is_frozen,
-                stacked=members[0] in stacked or members[0] in layers_of,
-                layers=_layer_paths(trace, members, layers_of), zero_gradient=is_zero)
-      for b, (module, dtype, is_frozen, is_zero, _, members) in enumerate(groups))
+    ir.Bucket(
+      id=b,
+      module=module,
+      dtype=dtype,
+      params=tuple(trace.params[i].path for i in members),
+      frozen=is_frozen,
+      stacked=members[0] in stacked or members[0] in layers_of,
+      layers=_layer_paths(trace, members, layers_of),
+      zero_gradient=is_zero,
+    )
+    for b, (module, dtype, is_frozen, is_zero, _, members) in enumerate(groups)
+  )
   loop_ranges = {op: op + 1 for op in stacked.values()}  # a scan: one op
   loop_ranges.update((run.start, run.end) for run in rolling.runs)
-  segments = _make_segments(trace, {**bucket_of, **_gradient_groups(trace, entries)},
-                            loop_ranges)
+  segments = _make_segments(trace, {**bucket_of, **_gradient_groups(trace, entries)}, loop_ranges)
   split = frozenset(i for i, e in enumerate(entries) if e.tensor_dim is not None)
-  segments, recomputed_lookups = _with_backward_buckets(segments, trace, bucket_of, entries,
-                                                        loop_ranges, split)
-  elements = [sum(ir.gathered_elements(entries[i], num_devices) for i in members)
-              for *_, members in groups]
-  lengths = {b: len(buckets[b].layers) or entries[members[0]].shape[0]
-             for b, (*_, members) in enumerate(groups) if buckets[b].stacked}
+  segments, recomputed_lookups = _with_backward_buckets(
+    segments, trace, bucket_of, entries, loop_ranges, split
+  )
+  elements = [
+    sum(ir.gathered_elements(entries[i], num_devices) for i in members) for *_, members in groups
+  ]
+  lengths = {
+    b: len(buckets[b].layers) or entries[members[0]].shape[0]
+    for b, (*_, members) in enumerate(groups)
+    if buckets[b].stacked
+  }
   bodies, rolled = {}, []
   for run in rolling.runs:
     k = next(seg.id for seg in segments if seg.start == run.start)
     rolled.append((run, k))
-    bodies[k] = _rolled_body(trace, run, segments[k], buckets, elements, bucket_of,
-                             entries, config, rolling, tensor.any)
-  unread = ({} if config.secondary_partition else  # hpZ: each layer's secondary is dropped
-            _scan_unread(trace, segments, stacked, bucket_of, entries, buckets))
-  forward, backward = _StepPlanner(segments, elements, buckets, config, lengths,
-                                   bodies, unread).plan()
-  return Schedule(num_devices=num_devices, platform=platform, replica_sizes=replica_sizes,
-                  shard_sizes=shard_sizes, config=config,
-                  num_ops=len(trace.ops),
-                  program_hash=program_hash(o.primitive for o in trace.ops), params=entries,
-                  buckets=buckets, segments=segments, forward=forward, backward=backward,
-                  rolling=rolling.notes, tensor_sizes=tensor.sizes, notes=trace.notes,
-                  tensor_estimate=tuple(tensor_comm.megatron_estimate(
-                      trace, entries, segments, recomputed_lookups,
-                      {run.start: (run, bodies[k].backward_ops) for run, k in rolled})))
+    bodies[k] = _rolled_body(
+      trace, run, segments[k], buckets, elements, bucket_of, entries, config, rolling, tensor.any
+    )
+  unread = (
+    {}
+    if config.secondary_partition
+    # hpZ: each layer's secondary is dropped
+    else _scan_unread(trace, segments, stacked, bucket_of, entries, buckets)
+  )
+  forward, backward = _StepPlanner(
+    segments, elements, buckets, config, lengths, bodies, unread
+  ).plan()
+  return Schedule(
+    num_devices=num_devices,
+    platform=platform,
+    replica_sizes=replica_sizes,
+    shard_sizes=shard_sizes,
+    config=config,
+    num_ops=len(trace.ops),
+    program_hash=program_hash(o.primitive for o in trace.ops),
+    params=entries,
+    buckets=buckets,
+    segments=segments,
+    forward=forward,
+    backward=backward,
+    rolling=rolling.notes,
+    tensor_sizes=tensor.sizes,
+    notes=trace.notes,
+    tensor_estimate=tuple(
+      tensor_comm.megatron_estimate(
+        trace,
+        entries,
+        segments,
+        recomputed_lookups,
+        {run.start: (run, bodies[k].backward_ops) for run, k in rolled},
+      )
+    ),
+  )
 
 
 @dataclasses.dataclass(frozen=True)
 class _RolledBody:
   """A rolled loop's per-iteration steps when its layer is cut into parts."""
+
   parts: tuple  # ir.Segment per part
   forward: tuple  # body steps
   backward: tuple
@@ -263,45 +349,61 @@ class _RolledBody:
   backward_ops: frozenset = frozenset()
 
 
-def _rolled_body(trace, run, seg, buckets, elements, bucket_of, entries, config, rolling,
-                 tensor_parallel=False):
+def _rolled_body(
+  trace, run, seg, buckets, elements, bucket_of, entries, config, rolling, tensor_parallel=False
+):
   """The run's layer planned part by part, as the unrolled planner plans segments (the same
   knobs; what the segments around the loop keep gathered through it counts against
   max_live_parameters). Without parts when one whole layer gathered at once is what that
   plan says (the loop gathers it as one, prefetching the next layer where the knobs allow).
   Raises _DoNotRoll where the run cannot keep the knobs (the unrolled plan decides).
   `tensor_parallel`: also find what the backward iteration executes (_RolledBody)."""
-  body = _rolled_body_steps(trace, run, seg, buckets, elements, bucket_of, entries, config,
-                            rolling)
+  body = _rolled_body_steps(trace, run, seg, buckets, elements, bucket_of, entries, config, rolling)
   if not tensor_parallel:
     return body
   runner, stacked = _runner(trace, run, seg, buckets, bucket_of, entries)
-  backward = body.backward if body.parts else loop_parts.whole_layer_backward(
-      runner, [b for b in stacked if b not in body.unread])
-  return dataclasses.replace(body, backward_ops=frozenset(
-      loop_parts.backward_op_signatures(runner, list(backward))))
+  backward = (
+    body.backward
+    if body.parts
+    else loop_parts.whole_layer_backward(runner, [b for b in stacked if b not in body.unread])
+  )
+  return dataclasses.replace(
+    body, backward_ops=frozenset(loop_parts.backward_op_signatures(runner, list(backward)))
+  )
 
 
 def _runner(trace, run, seg, buckets, bucket_of, entries):
   """The run's loop_parts.PartRunner, and the loop segment's stacked buckets."""
   stacked = [b for b in seg.buckets if buckets[b].stacked]
-  members = {b: [i for i in range(len(entries)) if bucket_of.get(i) == b
-                 and trace.params[i].path in buckets[b].params] for b in stacked}
+  members = {
+    b: [
+      i
+      for i in range(len(entries))
+      if bucket_of.get(i) == b and trace.params[i].path in buckets[b].params
+    ]
+    for b in stacked
+  }
   return loop_parts.part_runner(trace.program, run, members, entries, bucket_of), stacked
 
 
-def _rolled_body_steps(trace, run, seg, buckets, elements, bucket_of, entries, config,
-                       rolling):
+def _rolled_body_steps(trace, run, seg, buckets, elements, bucket_of, entries, config, rolling):
   runner, stacked = _runner(trace, run, seg, buckets, bucket_of, entries)
   position_bucket = {q: bucket_of[i] for q, i in runner.gathered.items()}
-  parts = tuple(ir.Segment(
-      id=p, start=run.start + io.start, end=run.start + io.end,
+  parts = tuple(
+    ir.Segment(
+      id=p,
+      start=run.start + io.start,
+      end=run.start + io.end,
       buckets=tuple(sorted({position_bucket[q] for q in io.positions})),
       backward_buckets=loop_parts.backward_reads(runner, p, position_bucket),
-      label=_part_label(trace, run, runner, io)) for p, io in enumerate(runner.parts))
+      label=_part_label(trace, run, runner, io),
+    )
+    for p, io in enumerate(runner.parts)
+  )
   around = sum(elements[b] for b in seg.buckets if not buckets[b].stacked)
-  inner_config = dataclasses.replace(config, max_live_parameters=max(
-      config.max_live_parameters - around, 0))
+  inner_config = dataclasses.replace(
+    config, max_live_parameters=max(config.max_live_parameters - around, 0)
+  )
   flat = tuple(dataclasses.replace(b, stacked=False) for b in buckets)
   names = roll.layer_names(trace.params, run)
   try:
@@ -311,25 +413,40 @@ def _rolled_body_steps(trace, run, seg, buckets, elements, bucket_of, entries, c
   # every bucket gathered before the first part and none again in backward: the peak is one
   # whole layer either way, and the whole-layer loop may prefetch the next layer
   first_compute = next(k for k, st in enumerate(forward) if st.op == "compute")
-  whole_layer = _RolledBody((), (), (), 0, frozenset() if config.secondary_partition else
-                            _unread_in_backward(runner, stacked, buckets))
+  whole_layer = _RolledBody(
+    (),
+    (),
+    (),
+    0,
+    frozenset() if config.secondary_partition else _unread_in_backward(runner, stacked, buckets),
+  )
   if not any(st.op == "gather" for st in forward[first_compute:] + backward):
     return whole_layer
   if config.secondary_partition:  # hpZ keeps one secondary per layer gather: whole layers
     whole = sum(elements[b] for b in stacked)
     if whole + around <= config.max_live_parameters:
       return whole_layer
-    raise _DoNotRoll(rolling, run, (
+    raise _DoNotRoll(
+      rolling,
+      run,
+      (
         f"not rolled: one layer of {names} needs {whole} "
         f"gathered elements, above max_live_parameters={config.max_live_parameters} with "
         f"what is kept around it, and under hpZ (secondary_partition) a rolled layer is "
-        f"gathered whole; planned unrolled, sub-module by sub-module"))
-  kept = [b for b in stacked if not any(st.op == "release" and st.bucket == b
-                                        for st in forward)]
-  as_part = lambda st, op=None: dataclasses.replace(  # noqa: E731
-      st, op=op or st.op, segment=seg.id, part=st.segment) if st.op == "compute" else st
+        f"gathered whole; planned unrolled, sub-module by sub-module"
+      ),
+    )
+  kept = [b for b in stacked if not any(st.op == "release" and st.bucket == b for st in forward)]
+  as_part = lambda st, op=None: (
+    dataclasses.replace(  # noqa: E731
+      st, op=op or st.op, segment=seg.id, part=st.segment
+    )
+    if st.op == "compute"
+    else st
+  )
   forward_body = tuple(as_part(st) for st in forward) + tuple(
-      ir.Step("release", bucket=b) for b in sorted(kept))
+    ir.Step("release", bucket=b) for b in sorted(kept)
+  )
   backward_body = [as_part(st, ir.RECOMPUTE_OP) for st in forward]
   backward_body += [as_part(st) for st in backward]
   unused, _ = loop_parts.unused_gathers(runner, backward_body)
@@ -349,11 +466,15 @@ def _scan_unread(trace, segments, stacked, bucket_of, entries, buckets) -> dict:
     views = views or param_views(trace.program, len(trace.params))
     op = trace.program.ops[seg.start]
     positions = {j: i for i in members for j in loops.input_positions(op, i, views)}
-    unread = loops.backward_unread(op, {j: ir.has_gradient(entries[i])
-                                        for j, i in positions.items()})
+    unread = loops.backward_unread(
+      op, {j: ir.has_gradient(entries[i]) for j, i in positions.items()}
+    )
     out[seg.id] = frozenset(
-        b for b in {bucket_of[i] for i in members} if not ir.has_gradient(buckets[b])
-        and all(j in unread for j, i in positions.items() if bucket_of[i] == b))
+      b
+      for b in {bucket_of[i] for i in members}
+      if not ir.has_gradient(buckets[b])
+      and all(j in unread for j, i in positions.items() if bucket_of[i] == b)
+    )
   return out
 
 
@@ -399,12 +520,16 @@ def _zero_gradient(trace, frozen) -> frozenset[int]:
   (trace.gradient_free): zero gradient, not reduced. (A parameter it never reads has no
   uses, which says the same.)"""
   free = gradient_free(trace.program, len(trace.params))
-  return frozenset(p.index for p in trace.params if p.index in free and p.uses and
-                   ir.is_float(p.dtype) and p.index not in frozen)
+  return frozenset(
+    p.index
+    for p in trace.params
+    if p.index in free and p.uses and ir.is_float(p.dtype) and p.index not in frozen
+  )
 
 
-def _find_rolling(trace, config, persistent, frozen, zero_gradient, loop_ops, tensor
-                  ) -> roll.Rolling:
+def _find_rolling(
+  trace, config, persistent, frozen, zero_gradient, loop_ops, tensor
+) -> roll.Rolling:
   """Runs of identical layers to run as loops (roll.py), unless config.roll_layers is off."""
   if not config.roll_layers:
     return roll.Rolling((), ("layer rolling is off (ZeroConfig.roll_layers=False)",))
@@ -417,56 +542,75 @@ def _layer_paths(trace, members, layers_of) -> tuple[tuple[str, ...], ...]:
   if members[0] not in layers_of:
     return ()
   length = len(layers_of[members[0]])
-  return tuple(tuple(trace.params[layers_of[i][layer]].path for i in members)
-               for layer in range(length))
+  return tuple(
+    tuple(trace.params[layers_of[i][layer]].path for i in members) for layer in range(length)
+  )
 
 
-def resolve_axis_sizes(config, mesh=None, num_devices=None, replica_sizes=None,
-                       axis_sizes=None) -> dict[str, int]:
+def resolve_axis_sizes(
+  config, mesh=None, num_devices=None, replica_sizes=None, axis_sizes=None
+) -> dict[str, int]:
   """The size of every data axis (replicate axes, then shard axes), from exactly one of a
   mesh, N (one shard axis; replica_sizes: the replicate axes', default 1) or axis_sizes."""
   if sum(x is not None for x in (mesh, num_devices, axis_sizes)) != 1:
-    raise ValueError("Pass exactly one of mesh= (the mesh to run on), num_devices= (N, to "
-                     "plan analytically) or axis_sizes= (every axis's size, analytically).")
+    raise ValueError(
+      "Pass exactly one of mesh= (the mesh to run on), num_devices= (N, to "
+      "plan analytically) or axis_sizes= (every axis's size, analytically)."
+    )
   if replica_sizes is not None and num_devices is None:
-    raise ValueError("replica_sizes goes with num_devices= (analytic planning); with a mesh "
-                     "the replicate axes' sizes are the mesh's, with axis_sizes= name them.")
+    raise ValueError(
+      "replica_sizes goes with num_devices= (analytic planning); with a mesh "
+      "the replicate axes' sizes are the mesh's, with axis_sizes= name them."
+    )
   axes = config.data_axes
   if num_devices is not None:
     if config.tensor_axes:
-      raise ValueError(f"num_devices= gives the shard axis's size only, but ZeroConfig."
-                       f"tensor_axes is {config.tensor_axes}; pass axis_sizes= with every "
-                       f"axis's size (or mesh=).")
+      raise ValueError(
+        f"num_devices= gives the shard axis's size only, but ZeroConfig."
+        f"tensor_axes is {config.tensor_axes}; pass axis_sizes= with every "
+        f"axis's size (or mesh=)."
+      )
     if len(config.shard_axes) > 1:
-      raise ValueError(f"num_devices= names one shard axis's size, but ZeroConfig.shard_axes "
-                       f"is {config.shard_axes}; pass axis_sizes= with every axis's size.")
+      raise ValueError(
+        f"num_devices= names one shard axis's size, but ZeroConfig.shard_axes "
+        f"is {config.shard_axes}; pass axis_sizes= with every axis's size."
+      )
     if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
       raise ValueError(f"num_devices must be a positive int, got {num_devices!r}.")
-    replica_sizes = (1,) * len(config.replicate_axes) if replica_sizes is None else \
-        tuple(replica_sizes)
+    replica_sizes = (
+      (1,) * len(config.replicate_axes) if replica_sizes is None else tuple(replica_sizes)
+    )
     if len(replica_sizes) != len(config.replicate_axes):
-      raise ValueError(f"replica_sizes must give one positive int per replicate axis "
-                       f"{list(config.replicate_axes)}, got {replica_sizes!r}.")
+      raise ValueError(
+        f"replica_sizes must give one positive int per replicate axis "
+        f"{list(config.replicate_axes)}, got {replica_sizes!r}."
+      )
     axis_sizes = dict(zip(axes, (*replica_sizes, num_devices)))
   elif mesh is not None:
     for axis in axes:
       if axis not in mesh.shape:
         field = "replicate_axes" if axis in config.replicate_axes else "shard_axes/axis_name"
-        raise ValueError(f"ZeroConfig.{field} names {axis!r}, but the mesh has axes "
-                         f"{tuple(mesh.shape)}; name the mesh axis {axis!r} or change the "
-                         f"config.")
+        raise ValueError(
+          f"ZeroConfig.{field} names {axis!r}, but the mesh has axes "
+          f"{tuple(mesh.shape)}; name the mesh axis {axis!r} or change the "
+          f"config."
+        )
     for axis in mesh.axis_names:
       if axis not in config.mesh_axes:
-        raise ValueError(f"Mesh axis {axis!r} is neither a shard axis (ZeroConfig.shard_axes="
-                         f"{config.shard_axes!r}) nor a replicate axis (ZeroConfig."
-                         f"replicate_axes={config.replicate_axes!r}) nor a tensor axis "
-                         f"(ZeroConfig.tensor_axes={config.tensor_axes!r}); add it to one of "
-                         f"them (replicate_axes: HSDP) or use a mesh without it.")
+        raise ValueError(
+          f"Mesh axis {axis!r} is neither a shard axis (ZeroConfig.shard_axes="
+          f"{config.shard_axes!r}) nor a replicate axis (ZeroConfig."
+          f"replicate_axes={config.replicate_axes!r}) nor a tensor axis "
+          f"(ZeroConfig.tensor_axes={config.tensor_axes!r}); add it to one of "
+          f"them (replicate_axes: HSDP) or use a mesh without it."
+        )
     axis_sizes = {a: int(mesh.shape[a]) for a in axes}
   else:
     if not isinstance(axis_sizes, dict) or set(axis_sizes) != set(config.mesh_axes):
-      raise ValueError(f"axis_sizes must give the size of exactly the config's axes "
-                       f"{list(config.mesh_axes)}, got {axis_sizes!r}.")
+      raise ValueError(
+        f"axis_sizes must give the size of exactly the config's axes "
+        f"{list(config.mesh_axes)}, got {axis_sizes!r}."
+      )
     axis_sizes = {a: axis_sizes[a] for a in axes}
   for axis, size in axis_sizes.items():
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
@@ -474,20 +618,23 @@ def resolve_axis_sizes(config, mesh=None, num_devices=None, replica_sizes=None,
   return {a: int(n) for a, n in axis_sizes.items()}
 
 
-def _group_buckets(trace, persistent, frozen, zero_gradient, stacked, layers_of
-                   ) -> list[tuple[str, str, bool, bool, Any, list[int]]]:
+def _group_buckets(
+  trace, persistent, frozen, zero_gradient, stacked, layers_of
+) -> list[tuple[str, str, bool, bool, Any, list[int]]]:
   """(owner module, dtype, frozen, zero gradient, loop or None, param indices) per bucket,
   in order of first use. Stacked parameters are bucketed per loop, apart from the others; a
   rolled run's buckets hold its first layer's parameters (`layers_of`: first-layer
   parameter -> its counterpart in every layer), standing for every layer."""
   later_layers = {i for layers in layers_of.values() for i in layers[1:]}
-  used = [p for p in trace.params
-          if p.uses and p.index not in persistent and p.index not in later_layers]
+  used = [
+    p for p in trace.params if p.uses and p.index not in persistent and p.index not in later_layers
+  ]
   used.sort(key=lambda p: (p.uses[0].op, p.index))
   groups: dict[tuple, list[int]] = {}
   for p in used:
-    loop = stacked.get(p.index, ("rolled", len(layers_of[p.index])) if p.index in layers_of
-                       else None)
+    loop = stacked.get(
+      p.index, ("rolled", len(layers_of[p.index])) if p.index in layers_of else None
+    )
     key = (p.owner, p.dtype.name, p.index in frozen, p.index in zero_gradient, loop)
     groups.setdefault(key, []).append(p.index)
   return [(*key, members) for key, members in groups.items()]
@@ -511,8 +658,7 @@ def _gradient_groups(trace, entries) -> dict[int, int]:
   groups = {}
   for g, ids in enumerate(members.values()):
     first = min(u.op for i in ids for u in trace.params[i].uses)
-    if sum(entries[i].size * jnp.dtype(entries[i].dtype).itemsize for i in ids) > \
-        crossing[first]:
+    if sum(entries[i].size * jnp.dtype(entries[i].dtype).itemsize for i in ids) > crossing[first]:
       groups.update((i, -1 - g) for i in ids)
   return groups
 
@@ -526,7 +672,7 @@ def _crossing_bytes(program) -> list[int]:
       if last.get(v, -1) > j:
         change[j + 1] += ir.aval_bytes(program.avals[v])
         change[last[v] + 1] -= ir.aval_bytes(program.avals[v])
-  return np.cumsum(change)[:n + 1].tolist()
+  return np.cumsum(change)[: n + 1].tolist()
 
 
 def _make_segments(trace, bucket_of, loop_ranges=None) -> tuple[ir.Segment, ...]:
@@ -537,9 +683,10 @@ def _make_segments(trace, bucket_of, loop_ranges=None) -> tuple[ir.Segment, ...]
   as buckets do but are not buckets of the segment."""
   loop_ranges = loop_ranges or {}
   last_read = _last_reads(trace.program)
-  stops = sorted({u.op for p in trace.params for u in p.uses} |  # no cut moves past these
-                 {k for k, op in enumerate(trace.program.ops)
-                  if not _elementwise(trace.program, op)})
+  stops = sorted(
+    {u.op for p in trace.params for u in p.uses}  # no cut moves past these
+    | {k for k, op in enumerate(trace.program.ops) if not _elementwise(trace.program, op)}
+  )
   buckets_at: dict[int, set[int]] = {}
   for p in trace.params:
     if p.index in bucket_of:
@@ -562,8 +709,7 @@ def _make_segments(trace, bucket_of, loop_ranges=None) -> tuple[ir.Segment, ...]
     if current and not buckets_at[op] <= current:
       start, lo = cuts[-1][0] if cuts else 0, last_op + 1
       hi = min(op, stops[bisect.bisect_left(stops, lo)])
-      cuts.append((_cheapest_cut(trace.program, last_read, start, lo, hi), sorted(current),
-                   first))
+      cuts.append((_cheapest_cut(trace.program, last_read, start, lo, hi), sorted(current), first))
       current = set()
     if not current:
       first = op
@@ -578,8 +724,11 @@ def _make_segments(trace, bucket_of, loop_ranges=None) -> tuple[ir.Segment, ...]
       first = min(bucket_ids, key=lambda b: (b < 0, abs(b)))  # a bucket, else a group
       label = trace.params[_first_member(first, bucket_of)].owner
     bucket_ids = [b for b in bucket_ids if b >= 0]
-    segments.append(ir.Segment(id=i, start=start, end=end, buckets=tuple(bucket_ids),
-                               backward_buckets=(), label=label))
+    segments.append(
+      ir.Segment(
+        id=i, start=start, end=end, buckets=tuple(bucket_ids), backward_buckets=(), label=label
+      )
+    )
     start = end
   return tuple(segments)
 
@@ -630,15 +779,17 @@ def _last_reads(program) -> dict[int, int]:
   return last
 
 
-def _with_backward_buckets(segments, trace, bucket_of, entries, loop_ranges=None,
-                           split=frozenset()):
+def _with_backward_buckets(
+  segments, trace, bucket_of, entries, loop_ranges=None, split=frozenset()
+):
   """Fill each segment's backward_buckets: the buckets its vjp reads (see segments.py). A
   loop's backward recomputes each iteration, so it reads all its buckets. Also returns, per
   segment, the parameters in `bucket_of` or `split` (tensor-split, persistent or not) that
   a lookup (gather) the vjp recomputes reads: tensor_comm counts those lookups' collectives."""
   program = trace.program
-  a = seg_lib.analyze(program, segments, [ir.has_gradient(e) for e in entries],
-                      [e.persistent for e in entries])
+  a = seg_lib.analyze(
+    program, segments, [ir.has_gradient(e) for e in entries], [e.persistent for e in entries]
+  )
   out, reads = [], []
   for k, (seg, io) in enumerate(zip(segments, a.ios)):
     if (loop_ranges or {}).get(seg.start) == seg.end:
@@ -647,9 +798,13 @@ def _with_backward_buckets(segments, trace, bucket_of, entries, loop_ranges=None
       continue
     params = [a.chains[v][0] for v in io.param_inputs]
     asked = [j for j, i in enumerate(params) if i in bucket_of or i in split]
-    needed, looked_up = (seg_lib.backward_param_reads(io, program.avals, a.diff_params[k],
-                                                      a.diff_acts[k], a.replicated[k])
-                         if asked else ((), ()))
+    needed, looked_up = (
+      seg_lib.backward_param_reads(
+        io, program.avals, a.diff_params[k], a.diff_acts[k], a.replicated[k]
+      )
+      if asked
+      else ((), ())
+    )
     backward = {bucket_of[params[j]] for j in needed if params[j] in bucket_of}
     out.append(dataclasses.replace(seg, backward_buckets=tuple(sorted(backward))))
     reads.append(frozenset(params[j] for j in looked_up if j in asked))
@@ -663,6 +818,7 @@ def _first_member(bucket: int, bucket_of: dict[int, int]) -> int:
 @dataclasses.dataclass
 class _Instance:
   """One gathered lifetime of a bucket in forward (mirrored in backward)."""
+
   bucket: int
   uses: list[int]  # forward segments that use it, ascending
   keep_turn: bool = False  # stays gathered from its last forward use into backward
@@ -680,6 +836,7 @@ class _Instance:
 @dataclasses.dataclass
 class _Interval:
   """A live interval in one phase's time (the k-th segment computed in that phase)."""
+
   bucket: int
   need: int  # first compute that needs it
   end: int  # last compute before release
@@ -689,26 +846,40 @@ class _Interval:
 
 
 class _StepPlanner:
-
-  def __init__(self, segments, elements, buckets, config: ZeroConfig, lengths=None,
-               bodies=None, scan_unread=None):
+  def __init__(
+    self,
+    segments,
+    elements,
+    buckets,
+    config: ZeroConfig,
+    lengths=None,
+    bodies=None,
+    scan_unread=None,
+  ):
     self.k = len(segments)
     self.elements = elements
     self.buckets = buckets
     self.config = config
     self.full_segments = segments
     # Stacked buckets live inside their loop step only; the rest is planned around them.
-    self.segments = tuple(dataclasses.replace(
-        seg, buckets=self._regular(seg.buckets), backward_buckets=self._regular(
-            seg.backward_buckets)) for seg in segments)
+    self.segments = tuple(
+      dataclasses.replace(
+        seg,
+        buckets=self._regular(seg.buckets),
+        backward_buckets=self._regular(seg.backward_buckets),
+      )
+      for seg in segments
+    )
     # rolled loops: segment -> _RolledBody (with parts, or gathered as one whole layer)
     # loop segment -> stacked buckets its backward iteration does not read (not re-gathered)
-    self.unread = {**(scan_unread or {}),
-                   **{k: body.unread for k, body in (bodies or {}).items()}}
+    self.unread = {**(scan_unread or {}), **{k: body.unread for k, body in (bodies or {}).items()}}
     self.bodies = {k: body for k, body in (bodies or {}).items() if body.parts}
-    self.loop_need = [self.bodies[seg.id].need if seg.id in self.bodies else
-                      sum(elements[b] for b in seg.buckets if buckets[b].stacked)
-                      for seg in segments]  # one layer of every stacked bucket
+    self.loop_need = [
+      self.bodies[seg.id].need
+      if seg.id in self.bodies
+      else sum(elements[b] for b in seg.buckets if buckets[b].stacked)
+      for seg in segments
+    ]  # one layer of every stacked bucket
     lengths = lengths or {}
     work = [sum(elements[b] * (lengths.get(b, 1)) for b in seg.buckets) for seg in segments]
     self.work_prefix = [0]
@@ -724,18 +895,31 @@ class _StepPlanner:
     instances = self._instances()
     self._enforce_cap(instances)
     k = self.k
-    fwd = [_Interval(i.bucket, i.start, k - 1 if i.keep_turn else i.end, kept=i.keep_turn)
-           for i in instances]
-    bwd = [_Interval(i.bucket, k - 1 - i.backward_uses[-1], k - 1 - i.backward_uses[0],
-                     live_at_start=i.keep_turn) for i in instances if i.backward_uses]
+    fwd = [
+      _Interval(i.bucket, i.start, k - 1 if i.keep_turn else i.end, kept=i.keep_turn)
+      for i in instances
+    ]
+    bwd = [
+      _Interval(
+        i.bucket, k - 1 - i.backward_uses[-1], k - 1 - i.backward_uses[0], live_at_start=i.keep_turn
+      )
+      for i in instances
+      if i.backward_uses
+    ]
     fwd_live = self._place_gathers(fwd, self.loop_need)
     bwd_live = self._place_gathers(bwd, self.loop_need[::-1])
-    scatter_at = [(k - 1 - i.start, i.bucket) for i in self._reducing(instances)
-                  if ir.has_gradient(self.buckets[i.bucket])]
+    scatter_at = [
+      (k - 1 - i.start, i.bucket)
+      for i in self._reducing(instances)
+      if ir.has_gradient(self.buckets[i.bucket])
+    ]
     # hpZ: a bucket re-gathered in backward keeps a secondary shard from its first forward
     # gather until its last backward gather
-    self.secondary = ({iv.bucket for iv in bwd if not iv.live_at_start}
-                      if self.config.secondary_partition else set())
+    self.secondary = (
+      {iv.bucket for iv in bwd if not iv.live_at_start}
+      if self.config.secondary_partition
+      else set()
+    )
     self.kept_secondary = set()
     forward = self._emit(fwd, "forward", scatter_at=[], live=fwd_live)
     backward = self._emit(bwd, "backward", scatter_at=scatter_at, live=bwd_live)
@@ -762,13 +946,17 @@ class _StepPlanner:
       regular = self.segments[seg.id].buckets  # a loop's stacked ones count as loop_need
       need = self.loop_need[seg.id] + sum(self.elements[b] for b in regular)
       if need > cap:
-        names = "; ".join(f"bucket {b} ({self.buckets[b].module}: {self.elements[b]} elements"
-                          f" of {', '.join(self.buckets[b].params)})" for b in seg.buckets)
+        names = "; ".join(
+          f"bucket {b} ({self.buckets[b].module}: {self.elements[b]} elements"
+          f" of {', '.join(self.buckets[b].params)})"
+          for b in seg.buckets
+        )
         raise ScheduleError(
-            f"Segment {seg.id} ({seg.label or 'ops ' + str(seg.start)}) needs {need} gathered "
-            f"parameter elements at once ({names}), above max_live_parameters={cap}. A "
-            f"bucket (one module's parameters of one dtype) is gathered whole, as the ops "
-            f"that read it need it: raise max_live_parameters to at least {need}.")
+          f"Segment {seg.id} ({seg.label or 'ops ' + str(seg.start)}) needs {need} gathered "
+          f"parameter elements at once ({names}), above max_live_parameters={cap}. A "
+          f"bucket (one module's parameters of one dtype) is gathered whole, as the ops "
+          f"that read it need it: raise max_live_parameters to at least {need}."
+        )
 
   def _instances(self) -> list[_Instance]:
     uses: dict[int, list[int]] = {}
@@ -786,8 +974,9 @@ class _StepPlanner:
         current.uses.append(s)
       instances.append(current)
     for inst in instances:
-      inst.backward_uses = [s for s in inst.uses
-                            if inst.bucket in self.segments[s].backward_buckets]
+      inst.backward_uses = [
+        s for s in inst.uses if inst.bucket in self.segments[s].backward_buckets
+      ]
     last = {inst.bucket: inst for inst in instances}  # each bucket's last instance
     for inst in last.values():
       inst.keep_turn = bool(inst.backward_uses) and self._turn_distance(inst) <= reuse
@@ -797,15 +986,15 @@ class _StepPlanner:
     """Work from the last forward use to the first backward use that reads the bucket."""
     total = self.work_prefix[self.k]
     return (total - self.work_prefix[inst.end + 1]) + (
-        total - self.work_prefix[inst.backward_uses[-1] + 1])
+      total - self.work_prefix[inst.backward_uses[-1] + 1]
+    )
 
   def _enforce_cap(self, instances: list[_Instance]):
     """Release kept buckets (farthest next use first) wherever live elements exceed the cap."""
     cap = self.config.max_live_parameters
     for t in range(self.k):
       while True:
-        live = [i for i in instances
-                if i.start <= t <= (self.k - 1 if i.keep_turn else i.end)]
+        live = [i for i in instances if i.start <= t <= (self.k - 1 if i.keep_turn else i.end)]
         if sum(self.elements[i.bucket] for i in live) + self.loop_need[t] <= cap:
           break
         idle = [i for i in live if t not in i.uses]
@@ -820,8 +1009,12 @@ class _StepPlanner:
     if t > inst.end:
       inst.keep_turn = False
       return
-    tail = _Instance(inst.bucket, [s for s in inst.uses if s > t], inst.keep_turn,
-                     [s for s in inst.backward_uses if s > t])
+    tail = _Instance(
+      inst.bucket,
+      [s for s in inst.uses if s > t],
+      inst.keep_turn,
+      [s for s in inst.backward_uses if s > t],
+    )
     inst.uses = [s for s in inst.uses if s < t]
     inst.backward_uses = [s for s in inst.backward_uses if s < t]
     inst.keep_turn = False
@@ -850,8 +1043,10 @@ class _StepPlanner:
       size, iv.gather_at, window = self.elements[iv.bucket], iv.need, 0
       for t in range(iv.need - 1, lo - 1, -1):
         window += needed_at[t + 1]
-        if (window > self.config.prefetch_bucket_size
-            or live[t] + size > self.config.max_live_parameters):
+        if (
+          window > self.config.prefetch_bucket_size
+          or live[t] + size > self.config.max_live_parameters
+        ):
           break
         live[t] += size
         iv.gather_at = t
@@ -860,18 +1055,19 @@ class _StepPlanner:
   def _emit(self, intervals, phase, scatter_at, live) -> tuple[ir.Step, ...]:
     """Steps in time order: gathers, the compute (or loop), reduce-scatters, releases."""
     steps = []
-    gathers_left = {b: sum(iv.bucket == b and not iv.live_at_start for iv in intervals)
-                    for b in self.secondary}
+    gathers_left = {
+      b: sum(iv.bucket == b and not iv.live_at_start for iv in intervals) for b in self.secondary
+    }
     for t in range(self.k):
-      starting = sorted((iv for iv in intervals if iv.gather_at == t),
-                        key=lambda iv: (iv.need > t, iv.need, iv.bucket))
+      starting = sorted(
+        (iv for iv in intervals if iv.gather_at == t),
+        key=lambda iv: (iv.need > t, iv.need, iv.bucket),
+      )
       for iv in starting:
         steps.append(ir.Step("gather", bucket=iv.bucket, prefetch=iv.need > t))
         steps += self._secondary_steps(iv.bucket, phase, gathers_left)
-      steps.append(self._compute_step(t if phase == "forward" else self.k - 1 - t, phase,
-                                      live[t]))
-      steps += [ir.Step("reduce_scatter", bucket=b) for when, b in sorted(scatter_at)
-                if when == t]
+      steps.append(self._compute_step(t if phase == "forward" else self.k - 1 - t, phase, live[t]))
+      steps += [ir.Step("reduce_scatter", bucket=b) for when, b in sorted(scatter_at) if when == t]
       ending = sorted(iv.bucket for iv in intervals if iv.end == t and not iv.kept)
       steps += [ir.Step("release", bucket=b) for b in ending]
     return tuple(steps)
@@ -896,11 +1092,19 @@ class _StepPlanner:
       return ir.Step("compute", segment=k)
     if k in self.bodies:  # cut into parts: no prefetch across iterations
       body = self.bodies[k]
-      return ir.Step(ir.LOOP_OP, segment=k, length=self.lengths[stacked[0]], parts=body.parts,
-                     body=body.forward if phase == "forward" else body.backward)
+      return ir.Step(
+        ir.LOOP_OP,
+        segment=k,
+        length=self.lengths[stacked[0]],
+        parts=body.parts,
+        body=body.forward if phase == "forward" else body.backward,
+      )
     need = self.loop_need[k]
-    prefetch = (self.lengths[stacked[0]] > 1 and need <= self.config.prefetch_bucket_size
-                and live + need <= self.config.max_live_parameters)
+    prefetch = (
+      self.lengths[stacked[0]] > 1
+      and need <= self.config.prefetch_bucket_size
+      and live + need <= self.config.max_live_parameters
+    )
     if phase == "backward":  # re-gather what the backward iteration reads
       stacked = [b for b in stacked if b not in self.unread.get(k, ())]
     body = [ir.Step("gather", bucket=b, prefetch=prefetch) for b in stacked]
@@ -909,7 +1113,8 @@ class _StepPlanner:
       body += [ir.Step(op, bucket=b) for b in stacked]
     body.append(ir.Step("compute", segment=k))
     if phase == "backward":
-      body += [ir.Step("reduce_scatter", bucket=b) for b in stacked
-               if ir.has_gradient(self.buckets[b])]
+      body += [
+        ir.Step("reduce_scatter", bucket=b) for b in stacked if ir.has_gradient(self.buckets[b])
+      ]
     body += [ir.Step("release", bucket=b) for b in stacked]
     return ir.Step(ir.LOOP_OP, segment=k, length=self.lengths[stacked[0]], body=tuple(body))

@@ -43,7 +43,6 @@ def flatten_program(closed: jex.ClosedJaxpr) -> FlatProgram:
 
 
 class _Flattener:
-
   def __init__(self):
     self.num_ids = 0
     self.ops: list[FlatOp] = []
@@ -56,8 +55,9 @@ class _Flattener:
     input_ids = tuple(self._define(frame, v) for v in closed.jaxpr.invars)
     self._walk(closed.jaxpr, frame, "")
     outputs = tuple(_read(frame, a) for a in closed.jaxpr.outvars)
-    return FlatProgram(tuple(self.ops), input_ids, tuple(self.const_ids), tuple(self.consts),
-                       outputs, self.avals)
+    return FlatProgram(
+      tuple(self.ops), input_ids, tuple(self.const_ids), tuple(self.consts), outputs, self.avals
+    )
 
   def _walk(self, jaxpr, frame, scope):
     for eqn in jaxpr.eqns:

@@ -35,6 +35,7 @@ SCALE_BYTES = 4  # one float32 scale per block
 @dataclasses.dataclass(frozen=True)
 class Quantization:
   """How one collective's buffer is quantized."""
+
   dtype: str  # "int8" or "int4"
   block: int  # values per scale
   stochastic: bool = False  # stochastic rounding (gradients) instead of nearest
@@ -58,8 +59,12 @@ class Quantization:
     return self.value_bytes(n) + self.scale_bytes(n)
 
   def describe(self) -> dict:
-    return {"dtype": self.dtype, "block": self.block, "scale_dtype": "float32",
-            "rounding": "stochastic" if self.stochastic else "nearest"}
+    return {
+      "dtype": self.dtype,
+      "block": self.block,
+      "scale_dtype": "float32",
+      "rounding": "stochastic" if self.stochastic else "nearest",
+    }
 
 
 def quantize(x, q: Quantization):
@@ -106,7 +111,8 @@ def unpack(wire, q: Quantization, n: int, dtype):
   if q.dtype == "int4":
     values = _unpack_nibbles(values)[..., :n]
   scales = jax.lax.bitcast_convert_type(
-      scale_bytes.reshape(scale_bytes.shape[:-1] + (-1, SCALE_BYTES)), jnp.float32)
+    scale_bytes.reshape(scale_bytes.shape[:-1] + (-1, SCALE_BYTES)), jnp.float32
+  )
   return dequantize(values, scales, q, n, dtype)
 
 
@@ -135,4 +141,4 @@ def _uniform(x):
   h = (h ^ (h >> np.uint32(16))) * np.uint32(0x85EBCA6B)
   h = (h ^ (h >> np.uint32(13))) * np.uint32(0xC2B2AE35)
   h = h ^ (h >> np.uint32(16))
-  return (h >> np.uint32(8)).astype(jnp.float32) * np.float32(2.0 ** -24)
+  return (h >> np.uint32(8)).astype(jnp.float32) * np.float32(2.0**-24)

@@ -15,22 +15,26 @@ def format_bytes(n: int) -> str:
 
 def render_schedule(s, sim) -> str:
   """The steps as a table: step, phase, op, bucket, what, bytes, live bytes after the step."""
-  head = (f"zjax schedule v{ir.FORMAT_VERSION}: {s.num_devices} device(s){_layout_words(s)}, "
-          f"{len(s.params)} "
-          f"params ({sum(p.persistent for p in s.params)} persistent), {len(s.buckets)} "
-          f"buckets, {len(s.segments)} segments, fingerprint {s.fingerprint[:12]}")
+  head = (
+    f"zjax schedule v{ir.FORMAT_VERSION}: {s.num_devices} device(s){_layout_words(s)}, "
+    f"{len(s.params)} "
+    f"params ({sum(p.persistent for p in s.params)} persistent), {len(s.buckets)} "
+    f"buckets, {len(s.segments)} segments, fingerprint {s.fingerprint[:12]}"
+  )
   rows = [("step", "phase", "op", "axes", "bucket", "what", "bytes", "live after")]
-  notes = {k: _reduction_note(s, n) for k, n in
-           report.persistent_reduction_bytes_by_segment(s).items()}
-  for phase, steps, live in (("fwd", s.forward, sim.forward_live),
-                             ("bwd", s.backward, sim.backward_live)):
+  notes = {
+    k: _reduction_note(s, n) for k, n in report.persistent_reduction_bytes_by_segment(s).items()
+  }
+  for phase, steps, live in (
+    ("fwd", s.forward, sim.forward_live),
+    ("bwd", s.backward, sim.backward_live),
+  ):
     ends = notes if phase == "bwd" else {}  # what a segment's backward ends with
     for i, (step, live_after) in enumerate(zip(steps, live)):
       if step.op == ir.LOOP_OP:
         rows += _loop_rows(s, sim, phase, i, step, live_after, ends.get(step.segment, ""))
       else:
-        rows.append(_step_row(s, sim, phase, i, step, live_after,
-                              ends.get(step.segment, "")))
+        rows.append(_step_row(s, sim, phase, i, step, live_after, ends.get(step.segment, "")))
   if len(s.config.data_axes) == 1:  # every collective spans the one axis: no column
     rows = [r[:3] + r[4:] for r in rows]
   rolling = "".join(f"\nlayer rolling: {note}" for note in s.rolling)
@@ -40,10 +44,9 @@ def render_schedule(s, sim) -> str:
 def _layout_words(s) -> str:
   """How the devices are used, for the header (nothing to add on a one-axis mesh)."""
   if s.config.tensor_axes:
-    (axis, size), = s.tensor_axis_sizes.items()
+    ((axis, size),) = s.tensor_axis_sizes.items()
     split = sum(p.tensor_dim is not None for p in s.params)
-    return (_data_words(s) + f" x {size}-way tensor parallel over {axis} ({split} params "
-            f"split)")
+    return _data_words(s) + f" x {size}-way tensor parallel over {axis} ({split} params split)"
   return _data_words(s)
 
 
@@ -51,8 +54,10 @@ def _data_words(s) -> str:
   sizes = "x".join(str(n) for n in s.axis_sizes.values())
   axes = ",".join(s.config.data_axes)
   if s.config.secondary_partition:
-    return (f" ({sizes} over {axes}), hpZ: forward over every axis, backward re-gathers "
-            f"from a secondary 1/{s.shards} shard over {','.join(s.config.shard_axes)}")
+    return (
+      f" ({sizes} over {axes}), hpZ: forward over every axis, backward re-gathers "
+      f"from a secondary 1/{s.shards} shard over {','.join(s.config.shard_axes)}"
+    )
   if s.config.replicate_axes:
     return f" x {s.replicas} replicas over {', '.join(s.config.replicate_axes)} (HSDP)"
   return f" ({sizes} over {axes})" if len(s.config.shard_axes) > 1 else ""
@@ -72,15 +77,28 @@ def _loop_rows(s, sim, phase, i, step, live_after, end=""):
   gather fetches the next iteration's layer (the first one before the loop), or in a body
   cut into parts a later part's bucket."""
   seg = s.segments[step.segment]
-  rows = [(str(i), phase, f"loop x{step.length}", "", "",
-           f"segment {seg.id} ops [{seg.start},{seg.end}) {seg.label}".rstrip() + end +
-           ", per iteration:", "", format_bytes(live_after))]
+  rows = [
+    (
+      str(i),
+      phase,
+      f"loop x{step.length}",
+      "",
+      "",
+      f"segment {seg.id} ops [{seg.start},{seg.end}) {seg.label}".rstrip()
+      + end
+      + ", per iteration:",
+      "",
+      format_bytes(live_after),
+    )
+  ]
   for j, inner in enumerate(step.body):
-    row = (_part_row(step, inner, phase) if inner.part is not None else
-           _step_row(s, sim, phase, j, inner, None))
+    row = (
+      _part_row(step, inner, phase)
+      if inner.part is not None
+      else _step_row(s, sim, phase, j, inner, None)
+    )
     ahead = row[2] if step.parts else row[2].replace("prefetch", "next layer")
-    rows.append((f"{i}.{j}", phase, "  " + ahead,
-                 *row[3:7], ""))
+    rows.append((f"{i}.{j}", phase, "  " + ahead, *row[3:7], ""))
   return rows
 
 
@@ -96,16 +114,32 @@ def _part_row(loop, step, phase):
   """A compute step of a loop body cut into parts: forward, recomputed, or its vjp."""
   part = loop.parts[step.part]
   op = {"recompute": "recompute", "compute": "compute" if phase == "fwd" else "compute_vjp"}
-  return ("", phase, op[step.op], "", "",
-          f"part {part.id} ops [{part.start},{part.end}) {part.label}".rstrip(), "", "")
+  return (
+    "",
+    phase,
+    op[step.op],
+    "",
+    "",
+    f"part {part.id} ops [{part.start},{part.end}) {part.label}".rstrip(),
+    "",
+    "",
+  )
 
 
 def _step_row(s, sim, phase, i, step, live_after, end=""):
   if step.op == "compute":
     seg = s.segments[step.segment]
     what = f"segment {seg.id} ops [{seg.start},{seg.end}) {seg.label}".rstrip() + end
-    return (str(i), phase, "compute" if phase == "fwd" else "compute_vjp", "", "", what,
-            "", format_bytes(live_after) if live_after is not None else "")
+    return (
+      str(i),
+      phase,
+      "compute" if phase == "fwd" else "compute_vjp",
+      "",
+      "",
+      what,
+      "",
+      format_bytes(live_after) if live_after is not None else "",
+    )
   bucket = s.buckets[step.bucket]
   names = ",".join(leaf_name(p) for p in bucket.params)
   long_phase = "backward" if phase == "bwd" else "forward"
@@ -122,9 +156,16 @@ def _step_row(s, sim, phase, i, step, live_after, end=""):
   if quantized:
     op += f" {quantized['dtype']}"
   layers = f", layer i of {len(bucket.layers)}" if bucket.layers else ""
-  return (str(i), phase, op, _axes_cell(s, step, phase), str(step.bucket),
-          f"{bucket.module or '<root>'} [{names}]{layers}", format_bytes(size),
-          format_bytes(live_after) if live_after is not None else "")
+  return (
+    str(i),
+    phase,
+    op,
+    _axes_cell(s, step, phase),
+    str(step.bucket),
+    f"{bucket.module or '<root>'} [{names}]{layers}",
+    format_bytes(size),
+    format_bytes(live_after) if live_after is not None else "",
+  )
 
 
 def render_param_table(trace, s) -> str:
@@ -133,17 +174,36 @@ def render_param_table(trace, s) -> str:
   entries = {p.path: p for p in s.params}
   for p in trace.params:
     entry = entries[p.path]
-    layout = "replicated" if entry.persistent else f"sharded 1/{s.num_devices}" + (
-        " per layer" if entry.stacked else "")
+    layout = (
+      "replicated"
+      if entry.persistent
+      else f"sharded 1/{s.num_devices}" + (" per layer" if entry.stacked else "")
+    )
     if entry.tensor_dim is not None:  # tensor parallelism: which dim, over which axis
       of = " of each layer" if entry.stacked else ""  # (a stack's: counted in one layer)
       layout += f", dim {entry.tensor_dim}{of} over {s.config.tensor_axes[0]}"
-    uses = "; ".join(f"op {u.op} {u.primitive}" + (f" in {u.context}" if u.context else "")
-                     for u in p.uses) or "-"
-    notes = _notes(p) + ("; frozen" if entry.frozen else "") + (
-        "; zero gradient (read only where no gradient flows)" if entry.zero_gradient else "")
-    rows.append((p.path, str(list(p.shape)), p.dtype.name, layout,
-                 "" if entry.bucket is None else str(entry.bucket), uses, notes.lstrip("; ")))
+    uses = (
+      "; ".join(
+        f"op {u.op} {u.primitive}" + (f" in {u.context}" if u.context else "") for u in p.uses
+      )
+      or "-"
+    )
+    notes = (
+      _notes(p)
+      + ("; frozen" if entry.frozen else "")
+      + ("; zero gradient (read only where no gradient flows)" if entry.zero_gradient else "")
+    )
+    rows.append(
+      (
+        p.path,
+        str(list(p.shape)),
+        p.dtype.name,
+        layout,
+        "" if entry.bucket is None else str(entry.bucket),
+        uses,
+        notes.lstrip("; "),
+      )
+    )
   return table(rows)
 
 
@@ -173,9 +233,9 @@ def _owned_by(module: str, owner: str) -> bool:
   parts = owner.split("/")
   if "params" not in parts:
     return True
-  owned = parts[parts.index("params") + 1:]
+  owned = parts[parts.index("params") + 1 :]
   used = [part.split(".")[0] for part in module.split("/")[1:]]
-  return used[:len(owned)] == owned or owned[:len(used)] == used
+  return used[: len(owned)] == owned or owned[: len(used)] == used
 
 
 _KEY = re.compile(r"\['([^']*)'\]|\[\"([^\"]*)\"\]|\[(\d+)\]|\.(\w+)")

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zjax._src import layout, offload
 from zjax._src.errors import ZjaxError
@@ -33,6 +34,7 @@ class CheckpointError(ZjaxError):
 @dataclasses.dataclass(frozen=True)
 class Leaf:
   """One stored array, as the manifest describes it."""
+
   key: str  # key in the orbax tree
   path: str  # keystr path in the train state's part (params / opt_state / extra)
   shape: tuple  # natural shape (for mirrored leaves, the parameter's; a stack's [L, ...])
@@ -57,21 +59,28 @@ def natural_params(saved_params) -> dict:
 
 def check_params(saved, schedule, where):
   """The saved parameters must be the model's: same paths, shapes and dtypes."""
-  by_path = {path: (tuple(leaf.shape[1:]) if row is not None else tuple(leaf.shape),
-                    leaf.dtype) for path, (leaf, row) in natural_params(saved).items()}
+  by_path = {
+    path: (tuple(leaf.shape[1:]) if row is not None else tuple(leaf.shape), leaf.dtype)
+    for path, (leaf, row) in natural_params(saved).items()
+  }
   for entry in schedule.params:
     found = by_path.pop(entry.path, None)
     if found is None:
-      raise CheckpointError(f"{where} has no parameter {entry.path}: it was saved from a "
-                            f"different model. Restore it with the model that saved it.")
+      raise CheckpointError(
+        f"{where} has no parameter {entry.path}: it was saved from a "
+        f"different model. Restore it with the model that saved it."
+      )
     if found != (tuple(entry.shape), entry.dtype):
       raise CheckpointError(
-          f"Parameter {entry.path} in {where} is {found[1]}{list(found[0])}, but this "
-          f"model has {entry.dtype}{list(entry.shape)}: a different model. Restore it with "
-          f"the model that saved it.")
+        f"Parameter {entry.path} in {where} is {found[1]}{list(found[0])}, but this "
+        f"model has {entry.dtype}{list(entry.shape)}: a different model. Restore it with "
+        f"the model that saved it."
+      )
   if by_path:
-    raise CheckpointError(f"{where} has parameters this model lacks: {sorted(by_path)[:3]}; "
-                          f"it was saved from a different model.")
+    raise CheckpointError(
+      f"{where} has parameters this model lacks: {sorted(by_path)[:3]}; "
+      f"it was saved from a different model."
+    )
 
 
 def restore_plan(saved, target, schedule, where):
@@ -80,11 +89,16 @@ def restore_plan(saved, target, schedule, where):
   items = {"params": {}, "opt": {}, "extra": {}}
   sources = natural_params(saved["params"])
   targets = layout.stored_leaves(_param_target(target), schedule, "target params")
-  plans = {"params": [_plan_storage(items, "params", sources, x, leaf, schedule, where)
-                      for x, leaf in zip(targets, schedule.storage)]}
+  plans = {
+    "params": [
+      _plan_storage(items, "params", sources, x, leaf, schedule, where)
+      for x, leaf in zip(targets, schedule.storage)
+    ]
+  }
   plans["opt"] = _plan_opt(items, saved, target.opt_state, schedule, where)
-  plans["extra"] = _plan_plain(items, "extra", saved["extra"], target.extra, where,
-                               "extra state", "the same extra state")
+  plans["extra"] = _plan_plain(
+    items, "extra", saved["extra"], target.extra, where, "extra state", "the same extra state"
+  )
   return items, plans
 
 
@@ -97,7 +111,7 @@ def _plan_opt(items, saved, target_tree, schedule, where):
       plain.append(leaf)
       continue
     holder = saved["params"][leaf.param]
-    prefix = leaf.path[:len(leaf.path) - len(holder.path)]
+    prefix = leaf.path[: len(leaf.path) - len(holder.path)]
     for path, source in natural_params([dataclasses.replace(holder, key=leaf.key)]).items():
       sources[prefix, path] = (dataclasses.replace(leaf, members=holder.members), source[1])
   targets, expected = [], set()
@@ -105,16 +119,21 @@ def _plan_opt(items, saved, target_tree, schedule, where):
     path = jax.tree_util.keystr(path)
     index = layout.mirrored_storage(path, x.shape, schedule)
     leaf = schedule.storage[index] if index is not None else None
-    prefix = path[:len(path) - len(leaf.path)] if leaf is not None else None
+    prefix = path[: len(path) - len(leaf.path)] if leaf is not None else None
     targets.append((path, x, leaf, prefix))
-    expected |= ({(prefix, schedule.params[i].path) for i in leaf.members}
-                 if leaf is not None else {(None, path)})
+    expected |= (
+      {(prefix, schedule.params[i].path) for i in leaf.members}
+      if leaf is not None
+      else {(None, path)}
+    )
   found = set(sources) | {(None, leaf.path) for leaf in plain}
   if found != expected:
     missing, extra = sorted(map(str, expected - found)), sorted(map(str, found - expected))
-    raise CheckpointError(f"The optimizer state in {where} differs from the trainer's "
-                          f"(missing: {missing[:3]}, unexpected: {extra[:3]}). Restore with "
-                          f"the same optimizer that saved it.")
+    raise CheckpointError(
+      f"The optimizer state in {where} differs from the trainer's "
+      f"(missing: {missing[:3]}, unexpected: {extra[:3]}). Restore with "
+      f"the same optimizer that saved it."
+    )
   by_path = {leaf.path: leaf for leaf in plain}
   plans = []
   for path, x, leaf, prefix in targets:
@@ -133,21 +152,25 @@ def _plan_plain(items, part, saved, target_tree, where, what, advice):
   if set(by_path) != expected:
     missing = sorted(expected - set(by_path))
     extra = sorted(set(by_path) - expected)
-    raise CheckpointError(f"The {what} in {where} differs from the trainer's (missing: "
-                          f"{missing[:3]}, unexpected: {extra[:3]}). Restore with {advice} "
-                          f"that saved it.")
-  return [_plan_whole(items, part, by_path[jax.tree_util.keystr(p)], x, where)
-          for p, x in targets]
+    raise CheckpointError(
+      f"The {what} in {where} differs from the trainer's (missing: "
+      f"{missing[:3]}, unexpected: {extra[:3]}). Restore with {advice} "
+      f"that saved it."
+    )
+  return [_plan_whole(items, part, by_path[jax.tree_util.keystr(p)], x, where) for p, x in targets]
 
 
 def _plan_whole(items, part, leaf, target, where):
   """A leaf that mirrors no parameter: read as it is."""
   _check_dtype(part, leaf, target, where)
   if tuple(leaf.stored) != tuple(target.shape):
-    raise CheckpointError(f"{what(part)} {leaf.path} in {where} has shape "
-                          f"{list(leaf.stored)}; the trainer expects {list(target.shape)}.")
-  _add_item(items, part, leaf.key, tuple(target.shape), target.dtype, target.sharding, 0,
-            strict=True)
+    raise CheckpointError(
+      f"{what(part)} {leaf.path} in {where} has shape "
+      f"{list(leaf.stored)}; the trainer expects {list(target.shape)}."
+    )
+  _add_item(
+    items, part, leaf.key, tuple(target.shape), target.dtype, target.sharding, 0, strict=True
+  )
   return (leaf.key,), None
 
 
@@ -160,7 +183,8 @@ def _plan_storage(items, part, sources, target, leaf, schedule, where):
     _check_dtype(part, s, target, where)
   member_paths = tuple(schedule.params[i].path for i in leaf.members)
   if all(s.key == saved.key for s, _ in rows) and saved.members == (
-      member_paths if leaf.rolled else ()):  # the same leaf: read straight or convert
+    member_paths if leaf.rolled else ()
+  ):  # the same leaf: read straight or convert
     shape, sharding, convert, row = _conversion(saved, leaf.entry, target)
     _add_item(items, part, saved.key, shape, target.dtype, sharding, row)
     return (saved.key,), convert
@@ -173,8 +197,11 @@ def _plan_regroup(items, part, rows, target, leaf, schedule):
   is a flat leaf or a stack stored per row, else as replicated natural values."""
   entry, sharding = leaf.entry, target.sharding
   axis = sharding.spec[-1] if len(sharding.spec) else None
-  as_rows = not entry.persistent and entry.tensor_dim is None and all(
-      len(s.stored) == (2 if s.members else 1) for s, _ in rows)
+  as_rows = (
+    not entry.persistent
+    and entry.tensor_dim is None
+    and all(len(s.stored) == (2 if s.members else 1) for s, _ in rows)
+  )
   width = target.shape[-1]  # the target's padded row
   keys, picks = [], []
   for s, row in rows:
@@ -187,8 +214,15 @@ def _plan_regroup(items, part, rows, target, leaf, schedule):
       else:  # natural values, replicated: [L, layer] if stored per row, else flat
         shape = (layers, size) if len(s.stored) == 2 else (layers * size,)
         spec = P()
-      _add_item(items, part, s.key, shape, target.dtype, NamedSharding(sharding.mesh, spec),
-                size if len(shape) == 2 else 0)
+      _add_item(
+        items,
+        part,
+        s.key,
+        shape,
+        target.dtype,
+        NamedSharding(sharding.mesh, spec),
+        size if len(shape) == 2 else 0,
+      )
     picks.append((keys.index(s.key), -1 if row is None else row, layers))
   kind = "rows" if as_rows else "naturals"
   return tuple(keys), (kind, entry, schedule.num_devices, tuple(sharding.spec), tuple(picks))
@@ -201,9 +235,11 @@ def _add_item(items, part, key, shape, dtype, sharding, row, strict=False):
 
 def _check_dtype(part, leaf, target, where):
   if leaf.dtype != jnp.dtype(target.dtype).name:
-    raise CheckpointError(f"{what(part)} {leaf.path} in {where} is {leaf.dtype}; the trainer "
-                          f"expects {jnp.dtype(target.dtype).name}. Restore with the "
-                          f"precision settings that saved it.")
+    raise CheckpointError(
+      f"{what(part)} {leaf.path} in {where} is {leaf.dtype}; the trainer "
+      f"expects {jnp.dtype(target.dtype).name}. Restore with the "
+      f"precision settings that saved it."
+    )
 
 
 def _conversion(leaf, entry, target):
@@ -216,8 +252,12 @@ def _conversion(leaf, entry, target):
   spec = tuple(sharding.spec)
   if entry.tensor_dim is not None and not entry.persistent:  # natural, flat (rows if stacked)
     if stored_stacked:
-      return ((entry.shape[0], entry.layer_size), replicated, ("tensor", entry, shape, spec),
-              entry.layer_size)
+      return (
+        (entry.shape[0], entry.layer_size),
+        replicated,
+        ("tensor", entry, shape, spec),
+        entry.layer_size,
+      )
     return (entry.size,), replicated, ("tensor", entry, shape, spec), 0
   if entry.stacked and stored_stacked:
     return shape, sharding, None, entry.layer_size
@@ -236,6 +276,7 @@ def _conversion(leaf, entry, target):
 
 # ---- after the read -------------------------------------------------------------------
 
+
 def _param_target(target):
   """Where the checkpoint's parameters go: an offloaded state's host masters (its params
   are device copies made from them), else its params."""
@@ -248,35 +289,46 @@ def assemble(restored, plans, target, train_step, mesh):
   in its memory (converted leaves are read to the device, then placed); an offloaded
   target's device copies are cast from its masters."""
   replicated = NamedSharding(mesh, P())
-  parts = {part: [tuple(restored[part][k] for k in keys) for keys, _ in plans[part]]
-           for part in plans}
+  parts = {
+    part: [tuple(restored[part][k] for k in keys) for keys, _ in plans[part]] for part in plans
+  }
   conversions = tuple((part, tuple(c for _, c in plans[part])) for part in plans)
   converted = _converted(parts, conversions, mesh)
 
   def tree(part, like):
-    leaves = [jax.device_put(x, t.sharding) if x.sharding.memory_kind != t.sharding.memory_kind
-              else x for x, t in zip(converted[part], jax.tree.leaves(like))]
+    leaves = [
+      jax.device_put(x, t.sharding) if x.sharding.memory_kind != t.sharding.memory_kind else x
+      for x, t in zip(converted[part], jax.tree.leaves(like))
+    ]
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), leaves)
 
   step = jax.device_put(jnp.asarray(train_step, jnp.int32), replicated)
   params = tree("params", _param_target(target))
-  state = type(target)(step=step, params=params, opt_state=tree("opt", target.opt_state),
-                       extra=tree("extra", target.extra))
+  state = type(target)(
+    step=step,
+    params=params,
+    opt_state=tree("opt", target.opt_state),
+    extra=tree("extra", target.extra),
+  )
   if getattr(target, "masters", None) is None:
     return state
   shardings = [t.sharding for t in jax.tree.leaves(target.params)]
   dtypes = [t.dtype for t in jax.tree.leaves(target.params)]
-  copies = jax.jit(lambda ms: offload.device_copies(ms, dtypes),
-                   out_shardings=shardings)(jax.tree.leaves(params))
-  return state._replace(masters=params, params=jax.tree.unflatten(
-      jax.tree.structure(target.params), copies))
+  copies = jax.jit(lambda ms: offload.device_copies(ms, dtypes), out_shardings=shardings)(
+    jax.tree.leaves(params)
+  )
+  return state._replace(
+    masters=params, params=jax.tree.unflatten(jax.tree.structure(target.params), copies)
+  )
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _converted(parts, conversions, mesh):
   """Leaves read in another layout kind, converted (None: already the target storage)."""
-  return {part: [_convert(xs, c, mesh) for xs, c in zip(parts[part], part_conversions)]
-          for part, part_conversions in conversions}
+  return {
+    part: [_convert(xs, c, mesh) for xs, c in zip(parts[part], part_conversions)]
+    for part, part_conversions in conversions
+  }
 
 
 def _convert(xs, conversion, mesh):
@@ -309,8 +361,10 @@ def _regrouped(xs, conversion, mesh):
     rows = [xs[k] if row < 0 else xs[k][row] for k, row, _ in picks]
     return layout.place(jnp.stack(rows) if stack else rows[0], mesh, P(*spec))
   layer_shape = tuple(entry.shape[1:] if stack else entry.shape)
-  values = [xs[k].reshape(layer_shape) if row < 0 else
-            xs[k].reshape((layers,) + layer_shape)[row] for k, row, layers in picks]
+  values = [
+    xs[k].reshape(layer_shape) if row < 0 else xs[k].reshape((layers,) + layer_shape)[row]
+    for k, row, layers in picks
+  ]
   natural = jnp.stack(values) if stack else values[0]
   return layout.place(layout.storage_from_natural(natural, entry, n), mesh, P(*spec))
 

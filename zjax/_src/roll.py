@@ -36,14 +36,16 @@ from zjax._src.program import FlatProgram
 @dataclasses.dataclass(frozen=True)
 class ParamFacts:
   """What rolling needs to know about one parameter leaf."""
+
   path: str
   uses: tuple[int, ...]  # op numbers
   # (shape, dtype, persistent, frozen, tensor dim, zero gradient): layers must agree on it
   kind: tuple
 
 
-def param_facts(params, persistent, frozen, tensor_dims=None, zero_gradient=None
-                ) -> list[ParamFacts]:
+def param_facts(
+  params, persistent, frozen, tensor_dims=None, zero_gradient=None
+) -> list[ParamFacts]:
   """Facts of traced parameters (trace.ParamInfo) or schedule entries (ir.ParamEntry):
   `persistent`, `frozen` and `zero_gradient` are index sets, and `tensor_dims` the
   dimension each parameter splits over the tensor axis (None: none), or all None to read
@@ -53,13 +55,22 @@ def param_facts(params, persistent, frozen, tensor_dims=None, zero_gradient=None
     dtype = p.dtype if isinstance(p.dtype, str) else p.dtype.name
     is_persistent = p.persistent if persistent is None else i in persistent
     is_frozen = p.frozen if frozen is None else i in frozen
-    tensor_dim = (getattr(p, "tensor_dim", None) if persistent is None else
-                  None if tensor_dims is None else tensor_dims[i])
+    tensor_dim = (
+      getattr(p, "tensor_dim", None)
+      if persistent is None
+      else None
+      if tensor_dims is None
+      else tensor_dims[i]
+    )
     uses = tuple(u if isinstance(u, int) else u.op for u in p.uses)
-    is_zero = (getattr(p, "zero_gradient", False) if persistent is None else
-               i in (zero_gradient or ()))
-    out.append(ParamFacts(p.path, uses, (tuple(p.shape), dtype, is_persistent, is_frozen,
-                                         tensor_dim, is_zero)))
+    is_zero = (
+      getattr(p, "zero_gradient", False) if persistent is None else i in (zero_gradient or ())
+    )
+    out.append(
+      ParamFacts(
+        p.path, uses, (tuple(p.shape), dtype, is_persistent, is_frozen, tensor_dim, is_zero)
+      )
+    )
   return out
 
 
@@ -71,6 +82,7 @@ class Run:
   ("lit", value) | ("local", op, output) | ("const", k) | ("carry", k) |
   ("layer", p) (stacked parameter p's layer) | ("xs", k) (a per-layer scalar).
   """
+
   start: int
   block: int
   length: int
@@ -107,8 +119,11 @@ def find_runs(program: FlatProgram, params: list[ParamFacts], excluded=frozenset
       chosen.append(run)
       covered |= ops
   chosen.sort(key=lambda r: r.start)
-  notes = [f"rolled ops [{r.start}, {r.end}): {r.length} layers of {r.block} ops "
-           f"({layer_names(params, r)})" for r in chosen]
+  notes = [
+    f"rolled ops [{r.start}, {r.end}): {r.length} layers of {r.block} ops "
+    f"({layer_names(params, r)})"
+    for r in chosen
+  ]
   notes += _why_not_notes(finder, rejected, covered)
   notes += [note for run in chosen for note in finder.neighbours(run, covered)]
   return Rolling(tuple(chosen), tuple(notes) or (finder.near_miss() or "no repeated layers",))
@@ -126,14 +141,16 @@ def _why_not_notes(finder, rejected, covered) -> list[str]:
   return notes[:_MAX_REASONS] + ([f"... and {more} more candidate runs"] if more > 0 else [])
 
 
-def analyze_run(program: FlatProgram, params: list[ParamFacts], start: int, block: int,
-                length: int) -> Run:
+def analyze_run(
+  program: FlatProgram, params: list[ParamFacts], start: int, block: int, length: int
+) -> Run:
   """The run at ops [start, start + block * length) (as planned); ValueError if the ops
   there are not such a run (the program changed since planning)."""
   run, why, _ = _Finder(program, params, frozenset()).analyze(start, block, length)
   if run is None or run.length != length:
-    raise ValueError(f"ops [{start}, {start + block * length}) are not {length} identical "
-                     f"layers: {why}")
+    raise ValueError(
+      f"ops [{start}, {start + block * length}) are not {length} identical layers: {why}"
+    )
   return run
 
 
@@ -141,21 +158,24 @@ def template_ops(program: FlatProgram, run: Run) -> list:
   """The ops one iteration of `run` applies (block 0's, with each static slice at per-layer
   offsets made a dynamic slice that reads its starts after its operand, as its sources
   say)."""
-  ops = list(program.ops[run.start:run.start + run.block])
+  ops = list(program.ops[run.start : run.start + run.block])
   for j in run.dynamic_slices:
     op, eqn = ops[j], ops[j].eqn
     sizes = _slice_sizes(eqn.params)
     starts = [jex.Var(jax.core.ShapedArray((), np.int32)) for _ in sizes]
-    eqn = eqn.replace(primitive=lax.dynamic_slice_p, invars=[eqn.invars[0], *starts],
-                      params={"slice_sizes": sizes})
+    eqn = eqn.replace(
+      primitive=lax.dynamic_slice_p, invars=[eqn.invars[0], *starts], params={"slice_sizes": sizes}
+    )
     ops[j] = dataclasses.replace(op, eqn=eqn, inputs=op.inputs + (None,) * len(sizes))
   return ops
 
 
 def layer_names(params, run) -> str:
   """The first and last layer, named by the common path prefix of their parameters."""
+
   def prefix(layer):
     return _common_prefix([params[layers[layer]].path for layers in run.stacked])
+
   first, last = prefix(0), prefix(run.length - 1)
   if first == last:  # layers that do not start at a module: name a parameter of each
     first, last = (params[run.stacked[0][layer]].path for layer in (0, run.length - 1))
@@ -167,7 +187,7 @@ def _common_prefix(paths) -> str:
   common = paths[0]
   for path in paths[1:]:
     while not path.startswith(common):
-      common = common[:common.rindex("[")] if "[" in common else ""
+      common = common[: common.rindex("[")] if "[" in common else ""
   return common or paths[0]
 
 
@@ -176,7 +196,6 @@ _PERIOD_LOOKBACK = 4  # same-signature weight uses per layer that periods look p
 
 
 class _Finder:
-
   def __init__(self, program, params, excluded):
     self.program, self.params, self.excluded = program, params, excluded
     self.ops = program.ops
@@ -211,15 +230,21 @@ class _Finder:
     pattern = {_numberless(self.params[layers[0]].path) for layers in run.stacked}
     out = []
     for lo in (run.start - run.block, run.end):
-      ops = [k for k in range(max(lo, 0), min(lo + run.block, len(self.ops)))
-             if k not in covered]
-      paths = sorted({self.params[self.param_of[a]].path for k in ops
-                      for a in self.ops[k].inputs
-                      if isinstance(a, int) and a in self.param_of})
+      ops = [k for k in range(max(lo, 0), min(lo + run.block, len(self.ops))) if k not in covered]
+      paths = sorted(
+        {
+          self.params[self.param_of[a]].path
+          for k in ops
+          for a in self.ops[k].inputs
+          if isinstance(a, int) and a in self.param_of
+        }
+      )
       similar = [p for p in paths if _numberless(p) in pattern]
       if similar:
-        out.append(f"not rolled with {layer_names(self.params, run)}: the layer of "
-                   f"{similar[0]} runs other ops or shapes{self._first_difference(run, lo)}")
+        out.append(
+          f"not rolled with {layer_names(self.params, run)}: the layer of "
+          f"{similar[0]} runs other ops or shapes{self._first_difference(run, lo)}"
+        )
     return out
 
   def _first_difference(self, run, lo) -> str:
@@ -227,16 +252,18 @@ class _Finder:
     the side that touches the run (a layer before it is compared from its end)."""
     before = lo < run.start
     for j in range(run.block):
-      k, t = ((run.start - 1 - j, run.start + run.block - 1 - j) if before else
-              (run.end + j, run.start + j))
+      k, t = (
+        (run.start - 1 - j, run.start + run.block - 1 - j)
+        if before
+        else (run.end + j, run.start + j)
+      )
       if not 0 <= k < len(self.ops):
         return ""
       if self.sigs[k] != self.sigs[t]:
         mine, theirs = self.ops[k].primitive, self.ops[t].primitive
         if mine == theirs:
           return f" ({self.where(k)}: {mine} on other shapes than {self.where(t)})"
-        return (f" ({self.where(k)}: {mine}, where the rolled layers run {self.where(t)}: "
-                f"{theirs})")
+        return f" ({self.where(k)}: {mine}, where the rolled layers run {self.where(t)}: {theirs})"
     return ""
 
   def near_miss(self) -> str:
@@ -251,11 +278,13 @@ class _Finder:
       window = total[block:] - total[:-block]  # matches in [k, k + block)
       for k in np.flatnonzero(window == block - 1):
         if k + 2 * block <= len(sigs) and self._looks_like_layers(int(k), block):
-          m = int(k + np.flatnonzero(~same[k:k + block])[0])
-          return (f"not rolled: {self.span_names(int(k), int(k) + 2 * block, block)}: "
-                  f"{self.where(m)} ({self.ops[m].primitive}) and {self.where(m + block)} "
-                  f"({self.ops[m + block].primitive}) in the next layer differ (other ops, "
-                  f"shapes or parameters); every other op repeats")
+          m = int(k + np.flatnonzero(~same[k : k + block])[0])
+          return (
+            f"not rolled: {self.span_names(int(k), int(k) + 2 * block, block)}: "
+            f"{self.where(m)} ({self.ops[m].primitive}) and {self.where(m + block)} "
+            f"({self.ops[m + block].primitive}) in the next layer differ (other ops, "
+            f"shapes or parameters); every other op repeats"
+          )
     return ""
 
   # ---- where runs may be ---------------------------------------------------------------
@@ -273,10 +302,18 @@ class _Finder:
   def span_names(self, start, end, block) -> str:
     """The candidate layers [start, end) (blocks of `block` ops) by their first and last
     block's parameters: the common path prefix of each (as layer_names)."""
+
     def prefix(lo):
-      paths = sorted({self.params[self.param_of[a]].path for op in self.ops[lo:lo + block]
-                      for a in op.inputs if isinstance(a, int) and a in self.param_of})
+      paths = sorted(
+        {
+          self.params[self.param_of[a]].path
+          for op in self.ops[lo : lo + block]
+          for a in op.inputs
+          if isinstance(a, int) and a in self.param_of
+        }
+      )
       return _common_prefix(paths) if paths else self.where(lo)
+
     count = (end - start) // block
     return f"{prefix(start)} .. {prefix(end - block)} ({count} candidate layers)"
 
@@ -284,10 +321,15 @@ class _Finder:
     """Whether blocks 0 and 1 of a candidate read parameters of the same names up to
     numbers (block_0/fc vs block_1/fc): layers to a user. A repeat inside one layer (the
     q, k and v projections) is not, and why it does not roll says nothing useful."""
+
     def names(lo):
-      return {_numberless(self.params[self.param_of[a]].path)
-              for op in self.ops[lo:lo + block] for a in op.inputs
-              if isinstance(a, int) and a in self.param_of}
+      return {
+        _numberless(self.params[self.param_of[a]].path)
+        for op in self.ops[lo : lo + block]
+        for a in op.inputs
+        if isinstance(a, int) and a in self.param_of
+      }
+
     return bool(names(start) & names(start + block))
 
   def _periods(self) -> list[int]:
@@ -316,8 +358,10 @@ class _Finder:
   def _runs_in(self, lo, hi, block):
     """(run or None, why not, op span) over [lo, hi), at the block alignment that yields
     runs and best matches module boundaries (a few alignments are tried)."""
-    phases = sorted(range(block), key=lambda p: (-((hi - lo - p) // block),
-                                                 -self._boundaries(lo + p, block, hi), p))
+    phases = sorted(
+      range(block),
+      key=lambda p: (-((hi - lo - p) // block), -self._boundaries(lo + p, block, hi), p),
+    )
     tried = []
     for phase in phases[:4]:
       start, found = lo + phase, []
@@ -368,7 +412,7 @@ class _Wiring:
 
   def __init__(self, finder: _Finder, start: int, block: int):
     self.f, self.start, self.block = finder, start, block
-    self.template = finder.ops[start:start + block]
+    self.template = finder.ops[start : start + block]
     self.sources = [[None] * len(op.inputs) for op in self.template]
     self.consts, self.carries, self.stacked, self.xs = {}, {}, {}, {}
     self.per_layer = []  # per layer: stacked position -> parameter index
@@ -388,8 +432,11 @@ class _Wiring:
     self.starts.append(self._starts(self.start))
 
   def _starts(self, base) -> dict:
-    return {j: _slice_starts(self.f.ops[base + j]) for j, op in enumerate(self.template)
-            if _offset_free(op)}
+    return {
+      j: _slice_starts(self.f.ops[base + j])
+      for j, op in enumerate(self.template)
+      if _offset_free(op)
+    }
 
   def _first_source(self, j, q, a, layer_params):
     if isinstance(a, jex.Literal):
@@ -416,8 +463,10 @@ class _Wiring:
     for j, op in enumerate(self.template):
       other = self.f.ops[base + j]
       if self.f.sigs[base + j] != self.f.sigs[self.start + j]:
-        return (f"{self.f.where(base + j)} ({other.primitive}) of layer {layer}: other ops "
-                f"or shapes than {self.f.where(self.start + j)} in the first")
+        return (
+          f"{self.f.where(base + j)} ({other.primitive}) of layer {layer}: other ops "
+          f"or shapes than {self.f.where(self.start + j)} in the first"
+        )
       for q, (a, b) in enumerate(zip(op.inputs, other.inputs)):
         why = self._match(j, q, a, b, layer, layer_params, literal_values)
         if why:
@@ -454,8 +503,9 @@ class _Wiring:
   def _equal_consts(self, a, b) -> bool:
     """Two constants of the program (captured arrays) with equal values."""
     consts = self.f.consts
-    return a in consts and b in consts and np.array_equal(np.asarray(consts[a]),
-                                                          np.asarray(consts[b]))
+    return (
+      a in consts and b in consts and np.array_equal(np.asarray(consts[a]), np.asarray(consts[b]))
+    )
 
   def _match_param(self, j, q, b, layer, layer_params) -> str:
     if b not in self.f.param_of:
@@ -463,14 +513,17 @@ class _Wiring:
     i, i0 = self.f.param_of[b], self.per_layer[0][(j, q)]
     facts, first = self.f.params[i], self.f.params[i0]
     if facts.kind != first.kind:
-      return (f"its parameter {facts.path} differs from {first.path} in shape, dtype, "
-              f"persistence, frozen flag, tensor-parallel split or gradient flow")
+      return (
+        f"its parameter {facts.path} differs from {first.path} in shape, dtype, "
+        f"persistence, frozen flag, tensor-parallel split or gradient flow"
+      )
     if i == i0:
       return ""  # shared by every layer so far: a const
     block = range(self.start + layer * self.block, self.start + (layer + 1) * self.block)
     if not all(u in block for u in facts.uses):
-      return (f"its parameter {facts.path} is also read outside this layer (by another "
-              f"layer, or shared)")
+      return (
+        f"its parameter {facts.path} is also read outside this layer (by another layer, or shared)"
+      )
     layer_params[(j, q)] = i
     return ""
 
@@ -492,12 +545,11 @@ class _Wiring:
       if why:
         return why
     xs, xs_pos = [], {}
-    for (j, q) in sorted(self.literals[0]):
+    for j, q in sorted(self.literals[0]):
       values = [self.literals[layer][(j, q)] for layer in range(length)]
       if any(not np.array_equal(v, values[0]) for v in values):
         if any(np.ndim(v) for v in values):
-          return (f"a constant array differs between layers "
-                  f"({self.f.where(self.start + j)})")
+          return f"a constant array differs between layers ({self.f.where(self.start + j)})"
         xs_pos[(j, q)] = len(xs)
         xs.append(np.stack(values))
     dynamic = self._dynamic_slices(length, xs, sources)
@@ -519,9 +571,19 @@ class _Wiring:
     carry_out = tuple(sorted(carry_pos, key=carry_pos.get))
     last = self.start + self.block * (length - 1)
     outputs = tuple(self.f.ops[last + j].outputs[o] for j, o in carry_out)
-    return Run(self.start, self.block, length, tuple(tuple(s) for s in sources),
-               tuple(consts), tuple(carry_in), carry_out, outputs, tuple(stacked), tuple(xs),
-               dynamic)
+    return Run(
+      self.start,
+      self.block,
+      length,
+      tuple(tuple(s) for s in sources),
+      tuple(consts),
+      tuple(carry_in),
+      carry_out,
+      outputs,
+      tuple(stacked),
+      tuple(xs),
+      dynamic,
+    )
 
   def _dynamic_slices(self, length, xs, sources) -> tuple[int, ...]:
     """Template slices whose offsets differ between layers: each gets one start source per
@@ -553,8 +615,10 @@ class _Wiring:
         return "a parameter is shared by some layers but not all", sources
       first_block = range(self.start, self.start + self.block)
       if not all(u in first_block for u in self.f.params[i0].uses):
-        return (f"its parameter {self.f.params[i0].path} is also read outside the first "
-                f"layer (by another layer, or shared)"), sources
+        return (
+          f"its parameter {self.f.params[i0].path} is also read outside the first "
+          f"layer (by another layer, or shared)"
+        ), sources
       if layers not in position:
         if any(i in position_layers for position_layers in position for i in layers):
           return "a layer reads another layer's parameter", sources
@@ -567,7 +631,7 @@ class _Wiring:
     """Values of block `layer` are read inside it, by the next block (carries), or, for
     the last block, after the run (carried out)."""
     base = self.start + layer * self.block
-    for j, op in enumerate(self.f.ops[base:base + self.block]):
+    for j, op in enumerate(self.f.ops[base : base + self.block]):
       for o, v in enumerate(op.outputs):
         for reader in self.f.readers.get(v, ()):
           if base <= reader < base + self.block:
@@ -580,8 +644,10 @@ class _Wiring:
               carry_pos[(j, o)] = len(carry_in)
               carry_in.append(None)
             continue
-          return (f"a value of layer {layer} ({self.f.where(base + j)}) is read by "
-                  f"{self.f.where(reader)}, outside the next layer")
+          return (
+            f"a value of layer {layer} ({self.f.where(base + j)}) is read by "
+            f"{self.f.where(reader)}, outside the next layer"
+          )
     return ""
 
 
@@ -602,9 +668,12 @@ def _signatures(ops) -> list[int]:
     params = op.eqn.params
     if _offset_free(op):  # a slice's offsets may differ per layer: its sizes must not
       params = {"sizes": _slice_sizes(params)}
-    key = (op.primitive, _params_key(params),
-           tuple(_input_key(a) for a in op.eqn.invars),
-           tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in op.eqn.outvars))
+    key = (
+      op.primitive,
+      _params_key(params),
+      tuple(_input_key(a) for a in op.eqn.invars),
+      tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in op.eqn.outvars),
+    )
     out.append(ids.setdefault(key, len(ids)))
   return out
 
@@ -650,8 +719,7 @@ def _captured_digest(value) -> str:
       v = v.jaxpr
     if isinstance(v, jex.Jaxpr):
       for eqn in v.eqns:
-        stack.extend(x for x in eqn.params.values() if isinstance(x, (jex.Jaxpr,
-                                                                    jex.ClosedJaxpr)))
+        stack.extend(x for x in eqn.params.values() if isinstance(x, (jex.Jaxpr, jex.ClosedJaxpr)))
     elif isinstance(v, (tuple, list)):
       stack.extend(v)
   return digest.hexdigest()

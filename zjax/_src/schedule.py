@@ -34,6 +34,7 @@ class Schedule:
     >>> zjax.Schedule.from_json(s.to_json()) == s
     True
   """
+
   num_devices: int
   config: ZeroConfig
   num_ops: int
@@ -81,9 +82,10 @@ class Schedule:
       object.__setattr__(self, "fingerprint", expected)
     elif self.fingerprint != expected:
       raise ScheduleError(
-          f"Schedule fingerprint {self.fingerprint[:12]}... does not match its own parameter "
-          f"table and program ({expected[:12]}...): the table was edited. Regenerate the "
-          f"schedule with `zjax inspect ... --save FILE` instead of editing parameters.")
+        f"Schedule fingerprint {self.fingerprint[:12]}... does not match its own parameter "
+        f"table and program ({expected[:12]}...): the table was edited. Regenerate the "
+        f"schedule with `zjax inspect ... --save FILE` instead of editing parameters."
+      )
     object.__setattr__(self, "_simulation", validate.validate_schedule(self))
     # the leaves of the sharded layout (rolled stacks as one leaf each), in tree order
     object.__setattr__(self, "storage", ir.storage_leaves(self.params))
@@ -140,26 +142,26 @@ class Schedule:
   # ---- serialisation -------------------------------------------------------------------
   def to_dict(self) -> dict:
     return {
-        "format": ir.FORMAT_NAME,
-        "version": ir.FORMAT_VERSION,
-        "fingerprint": self.fingerprint,
-        "num_devices": self.num_devices,
-        "platform": self.platform,
-        "replica_sizes": list(self.replica_sizes),
-        "shard_sizes": list(self.shard_sizes),
-        **({"tensor_sizes": list(self.tensor_sizes)} if self.tensor_sizes else {}),
-        "config": self.config.to_dict(),
-        "program": {"num_ops": self.num_ops, "hash": self.program_hash},
-        "params": [p.to_dict() for p in self.params],
-        "buckets": [b.to_dict() for b in self.buckets],
-        "segments": [dataclasses.asdict(s) for s in self.segments],
-        "rolling": list(self.rolling),
-        **({"tensor_estimate": list(self.tensor_estimate)} if self.tensor_estimate else {}),
-        **({"notes": list(self.notes)} if self.notes else {}),
-        "forward": [s.to_dict_with_axes("forward", self.config, self.buckets)
-                    for s in self.forward],
-        "backward": [s.to_dict_with_axes("backward", self.config, self.buckets)
-                     for s in self.backward],
+      "format": ir.FORMAT_NAME,
+      "version": ir.FORMAT_VERSION,
+      "fingerprint": self.fingerprint,
+      "num_devices": self.num_devices,
+      "platform": self.platform,
+      "replica_sizes": list(self.replica_sizes),
+      "shard_sizes": list(self.shard_sizes),
+      **({"tensor_sizes": list(self.tensor_sizes)} if self.tensor_sizes else {}),
+      "config": self.config.to_dict(),
+      "program": {"num_ops": self.num_ops, "hash": self.program_hash},
+      "params": [p.to_dict() for p in self.params],
+      "buckets": [b.to_dict() for b in self.buckets],
+      "segments": [dataclasses.asdict(s) for s in self.segments],
+      "rolling": list(self.rolling),
+      **({"tensor_estimate": list(self.tensor_estimate)} if self.tensor_estimate else {}),
+      **({"notes": list(self.notes)} if self.notes else {}),
+      "forward": [s.to_dict_with_axes("forward", self.config, self.buckets) for s in self.forward],
+      "backward": [
+        s.to_dict_with_axes("backward", self.config, self.buckets) for s in self.backward
+      ],
     }
 
   def to_json(self) -> str:
@@ -172,9 +174,11 @@ class Schedule:
     try:
       data = json.loads(text)
     except json.JSONDecodeError as e:
-      raise ScheduleError(f"{source} is not valid JSON (line {e.lineno}, column {e.colno}: "
-                          f"{e.msg}); the file may be truncated. Regenerate it with `zjax "
-                          f"inspect ... --save {source}`.") from None
+      raise ScheduleError(
+        f"{source} is not valid JSON (line {e.lineno}, column {e.colno}: "
+        f"{e.msg}); the file may be truncated. Regenerate it with `zjax "
+        f"inspect ... --save {source}`."
+      ) from None
     try:
       return cls(**_parse(data))
     except ScheduleError as e:
@@ -211,30 +215,42 @@ class Schedule:
 
     Compares parameter paths, shapes, dtypes and the use order of a fresh trace.
     """
-    trace = trace_for_schedule(loss_fn, params, batch, self.config, self.axis_sizes, extra,
-                               mesh={**self.axis_sizes, **self.tensor_axis_sizes})
+    trace = trace_for_schedule(
+      loss_fn,
+      params,
+      batch,
+      self.config,
+      self.axis_sizes,
+      extra,
+      mesh={**self.axis_sizes, **self.tensor_axis_sizes},
+    )
     theirs = {p.path: p for p in self.params}
     for p in trace.params:
       mine = theirs.get(p.path)
       found = (list(p.shape), p.dtype.name, [u.op for u in p.uses])
       if mine is None:
-        raise ScheduleMismatchError(f"Parameter {p.path} is not in the schedule: it was made "
-                                    f"for another model. Recompile the schedule.")
+        raise ScheduleMismatchError(
+          f"Parameter {p.path} is not in the schedule: it was made "
+          f"for another model. Recompile the schedule."
+        )
       if found != (list(mine.shape), mine.dtype, list(mine.uses)):
         raise ScheduleMismatchError(
-            f"Parameter {p.path} differs from the schedule: model has shape {list(p.shape)} "
-            f"{p.dtype.name} used at ops {found[2]}, schedule has shape {list(mine.shape)} "
-            f"{mine.dtype} used at ops {list(mine.uses)}. Recompile the schedule.")
+          f"Parameter {p.path} differs from the schedule: model has shape {list(p.shape)} "
+          f"{p.dtype.name} used at ops {found[2]}, schedule has shape {list(mine.shape)} "
+          f"{mine.dtype} used at ops {list(mine.uses)}. Recompile the schedule."
+        )
     missing = sorted(set(theirs) - {p.path for p in trace.params})
     if missing:
-      raise ScheduleMismatchError(f"The schedule has parameter(s) the model lacks: "
-                                  f"{missing[:3]}. Recompile the schedule.")
+      raise ScheduleMismatchError(
+        f"The schedule has parameter(s) the model lacks: {missing[:3]}. Recompile the schedule."
+      )
     got = program_hash(o.primitive for o in trace.ops)
     if got != self.program_hash or len(trace.ops) != self.num_ops:
       raise ScheduleMismatchError(
-          f"The model's program differs from the schedule's ({len(trace.ops)} ops vs "
-          f"{self.num_ops}, hash {got[:12]} vs {self.program_hash[:12]}): same parameters, "
-          f"different computation. Recompile the schedule.")
+        f"The model's program differs from the schedule's ({len(trace.ops)} ops vs "
+        f"{self.num_ops}, hash {got[:12]} vs {self.program_hash[:12]}): same parameters, "
+        f"different computation. Recompile the schedule."
+      )
 
 
 def _default_file_mode() -> int:
@@ -246,8 +262,9 @@ def _default_file_mode() -> int:
 def model_fingerprint(params, num_ops: int, prog_hash: str) -> str:
   """Hash of the parameter structure (paths, shapes, dtypes) and the use order."""
   table = [[p.path, list(p.shape), p.dtype, list(p.uses)] for p in params]
-  blob = json.dumps({"params": table, "num_ops": num_ops, "program": prog_hash},
-                    separators=(",", ":"))
+  blob = json.dumps(
+    {"params": table, "num_ops": num_ops, "program": prog_hash}, separators=(",", ":")
+  )
   return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -277,14 +294,19 @@ def _format_json(data: dict) -> str:
 
 # ---- parsing (data only; every field is type-checked) -----------------------------------
 
+
 def _parse(data) -> dict:
   _expect(isinstance(data, dict), "the top level must be a JSON object")
-  _expect(data.get("format") == ir.FORMAT_NAME,
-          f"'format' must be {ir.FORMAT_NAME!r}, got {data.get('format')!r}")
+  _expect(
+    data.get("format") == ir.FORMAT_NAME,
+    f"'format' must be {ir.FORMAT_NAME!r}, got {data.get('format')!r}",
+  )
   version = data.get("version")
-  _expect(version in ir.READABLE_VERSIONS,
-          f"'version' is {version!r}, but this zjax reads versions "
-          f"{list(ir.READABLE_VERSIONS)}; regenerate the schedule with this zjax")
+  _expect(
+    version in ir.READABLE_VERSIONS,
+    f"'version' is {version!r}, but this zjax reads versions "
+    f"{list(ir.READABLE_VERSIONS)}; regenerate the schedule with this zjax",
+  )
   program = _field(data, "program", dict, "top level")
   config = dict(_field(data, "config", dict, "top level"))
   # files written before the knob existed reduce-scatter once per forward gather
@@ -296,39 +318,50 @@ def _parse(data) -> dict:
     raise ScheduleError(f"'config': {e}") from None
   buckets = tuple(_parse_bucket(b, i) for i, b in enumerate(_items(data, "buckets")))
   return dict(
-      fingerprint=_field(data, "fingerprint", str, "top level"),
-      num_devices=_field(data, "num_devices", int, "top level"),
-      platform=_optional(data, "platform", str, "top level", ""),
-      replica_sizes=tuple(_int_list(data, "replica_sizes", "top level")
-                          if "replica_sizes" in data else ()),
-      shard_sizes=tuple(_int_list(data, "shard_sizes", "top level")
-                        if "shard_sizes" in data else ()),
-      tensor_sizes=tuple(_int_list(data, "tensor_sizes", "top level")
-                         if "tensor_sizes" in data else ()),
-      config=config,
-      num_ops=_field(program, "num_ops", int, "'program'"),
-      program_hash=_field(program, "hash", str, "'program'"),
-      params=tuple(_parse_param(p, i) for i, p in enumerate(_items(data, "params"))),
-      buckets=buckets,
-      segments=tuple(_parse_segment(s, i) for i, s in enumerate(_items(data, "segments"))),
-      rolling=tuple(_string_list(data, "rolling", "top level") if "rolling" in data else ()),
-      tensor_estimate=_tensor_estimate(data),
-      notes=tuple(_string_list(data, "notes", "top level") if "notes" in data else ()),
-      forward=tuple(_parse_step(s, i, "forward", config, buckets)
-                    for i, s in enumerate(_items(data, "forward"))),
-      backward=tuple(_parse_step(s, i, "backward", config, buckets)
-                     for i, s in enumerate(_items(data, "backward"))),
+    fingerprint=_field(data, "fingerprint", str, "top level"),
+    num_devices=_field(data, "num_devices", int, "top level"),
+    platform=_optional(data, "platform", str, "top level", ""),
+    replica_sizes=tuple(
+      _int_list(data, "replica_sizes", "top level") if "replica_sizes" in data else ()
+    ),
+    shard_sizes=tuple(_int_list(data, "shard_sizes", "top level") if "shard_sizes" in data else ()),
+    tensor_sizes=tuple(
+      _int_list(data, "tensor_sizes", "top level") if "tensor_sizes" in data else ()
+    ),
+    config=config,
+    num_ops=_field(program, "num_ops", int, "'program'"),
+    program_hash=_field(program, "hash", str, "'program'"),
+    params=tuple(_parse_param(p, i) for i, p in enumerate(_items(data, "params"))),
+    buckets=buckets,
+    segments=tuple(_parse_segment(s, i) for i, s in enumerate(_items(data, "segments"))),
+    rolling=tuple(_string_list(data, "rolling", "top level") if "rolling" in data else ()),
+    tensor_estimate=_tensor_estimate(data),
+    notes=tuple(_string_list(data, "notes", "top level") if "notes" in data else ()),
+    forward=tuple(
+      _parse_step(s, i, "forward", config, buckets) for i, s in enumerate(_items(data, "forward"))
+    ),
+    backward=tuple(
+      _parse_step(s, i, "backward", config, buckets) for i, s in enumerate(_items(data, "backward"))
+    ),
   )
 
 
 def _tensor_estimate(data) -> tuple:
   rows = data.get("tensor_estimate", [])
-  _expect(isinstance(rows, list) and all(
-      isinstance(r, list) and len(r) == 3 and r[0] in ("all_reduce", "all_gather",
-                                                        "reduce_scatter") and
-      r[1] in ("forward", "backward") and isinstance(r[2], int) and r[2] >= 0 for r in rows),
-      "'tensor_estimate' must be a list of [kind, phase, bytes] (e.g. [\"all_reduce\", "
-      "\"forward\", 4096])")
+  _expect(
+    isinstance(rows, list)
+    and all(
+      isinstance(r, list)
+      and len(r) == 3
+      and r[0] in ("all_reduce", "all_gather", "reduce_scatter")
+      and r[1] in ("forward", "backward")
+      and isinstance(r[2], int)
+      and r[2] >= 0
+      for r in rows
+    ),
+    "'tensor_estimate' must be a list of [kind, phase, bytes] (e.g. [\"all_reduce\", "
+    '"forward", 4096])',
+  )
   return tuple(tuple(r) for r in rows)
 
 
@@ -337,26 +370,34 @@ def _parse_param(p, i) -> ir.ParamEntry:
   _expect(isinstance(p, dict), f"{where} must be an object")
   entry = _param_entry(p, where)
   if entry.tensor_dim is not None:  # tensor parallelism: a dim (of a layer, if stacked)
-    layer = entry.layer_shape       # that splits evenly
-    _expect(0 <= entry.tensor_dim < len(layer) and entry.tensor_size >= 1 and
-            layer[entry.tensor_dim] % entry.tensor_size == 0,
-            f"{where} ({entry.path}): tensor_dim {entry.tensor_dim} of "
-            f"{'one layer of shape' if entry.stacked else 'shape'} {list(layer)} does not "
-            f"split into {entry.tensor_size} slices")
+    layer = entry.layer_shape  # that splits evenly
+    _expect(
+      0 <= entry.tensor_dim < len(layer)
+      and entry.tensor_size >= 1
+      and layer[entry.tensor_dim] % entry.tensor_size == 0,
+      f"{where} ({entry.path}): tensor_dim {entry.tensor_dim} of "
+      f"{'one layer of shape' if entry.stacked else 'shape'} {list(layer)} does not "
+      f"split into {entry.tensor_size} slices",
+    )
   return entry
 
 
 def _param_entry(p, where) -> ir.ParamEntry:
   return ir.ParamEntry(
-      path=_field(p, "path", str, where), shape=tuple(_int_list(p, "shape", where)),
-      dtype=_field(p, "dtype", str, where), persistent=_field(p, "persistent", bool, where),
-      bucket=_field(p, "bucket", (int, type(None)), where),
-      uses=tuple(_int_list(p, "uses", where)), frozen=_field(p, "frozen", bool, where),
-      stacked=_optional(p, "stacked", bool, where, False),
-      stack=_optional(p, "stack", str, where, ""), layer=_optional(p, "layer", int, where, 0),
-      tensor_dim=_optional(p, "tensor_dim", (int, type(None)), where, None),
-      tensor_size=_optional(p, "tensor_size", int, where, 1),
-      zero_gradient=_optional(p, "zero_gradient", bool, where, False))
+    path=_field(p, "path", str, where),
+    shape=tuple(_int_list(p, "shape", where)),
+    dtype=_field(p, "dtype", str, where),
+    persistent=_field(p, "persistent", bool, where),
+    bucket=_field(p, "bucket", (int, type(None)), where),
+    uses=tuple(_int_list(p, "uses", where)),
+    frozen=_field(p, "frozen", bool, where),
+    stacked=_optional(p, "stacked", bool, where, False),
+    stack=_optional(p, "stack", str, where, ""),
+    layer=_optional(p, "layer", int, where, 0),
+    tensor_dim=_optional(p, "tensor_dim", (int, type(None)), where, None),
+    tensor_size=_optional(p, "tensor_size", int, where, 1),
+    zero_gradient=_optional(p, "zero_gradient", bool, where, False),
+  )
 
 
 def _parse_bucket(b, i) -> ir.Bucket:
@@ -364,25 +405,32 @@ def _parse_bucket(b, i) -> ir.Bucket:
   _expect(isinstance(b, dict), f"{where} must be an object")
   paths = _field(b, "params", list, where)
   _expect(all(isinstance(x, str) for x in paths), f"{where}.params must be a list of paths")
-  return ir.Bucket(id=_field(b, "id", int, where), module=_field(b, "module", str, where),
-                   dtype=_field(b, "dtype", str, where), params=tuple(paths),
-                   frozen=_field(b, "frozen", bool, where),
-                   stacked=_optional(b, "stacked", bool, where, False),
-                   zero_gradient=_optional(b, "zero_gradient", bool, where, False),
-                   layers=tuple(tuple(_string_list({"layer": layer}, "layer",
-                                                   f"{where}.layers[{k}]"))
-                                for k, layer in enumerate(_optional(b, "layers", list, where,
-                                                                    []))))
+  return ir.Bucket(
+    id=_field(b, "id", int, where),
+    module=_field(b, "module", str, where),
+    dtype=_field(b, "dtype", str, where),
+    params=tuple(paths),
+    frozen=_field(b, "frozen", bool, where),
+    stacked=_optional(b, "stacked", bool, where, False),
+    zero_gradient=_optional(b, "zero_gradient", bool, where, False),
+    layers=tuple(
+      tuple(_string_list({"layer": layer}, "layer", f"{where}.layers[{k}]"))
+      for k, layer in enumerate(_optional(b, "layers", list, where, []))
+    ),
+  )
 
 
 def _parse_segment(s, i) -> ir.Segment:
   where = f"segments[{i}]"
   _expect(isinstance(s, dict), f"{where} must be an object")
-  return ir.Segment(id=_field(s, "id", int, where), start=_field(s, "start", int, where),
-                    end=_field(s, "end", int, where),
-                    buckets=tuple(_int_list(s, "buckets", where)),
-                    backward_buckets=tuple(_int_list(s, "backward_buckets", where)),
-                    label=_field(s, "label", str, where))
+  return ir.Segment(
+    id=_field(s, "id", int, where),
+    start=_field(s, "start", int, where),
+    end=_field(s, "end", int, where),
+    buckets=tuple(_int_list(s, "buckets", where)),
+    backward_buckets=tuple(_int_list(s, "backward_buckets", where)),
+    label=_field(s, "label", str, where),
+  )
 
 
 def _parse_step(s, i, phase, config, buckets, in_loop=False) -> ir.Step:
@@ -393,18 +441,26 @@ def _parse_step(s, i, phase, config, buckets, in_loop=False) -> ir.Step:
     body = _field(s, "body", list, where)
     parts = s.get("parts", [])
     _expect(isinstance(parts, list), f"{where}: parts must be a list of segments")
-    return ir.Step(ir.LOOP_OP, segment=_field(s, "segment", int, where),
-                   length=_field(s, "length", int, where),
-                   body=tuple(_parse_step(b, j, f"{phase} step {i} body", config, buckets,
-                                          True) for j, b in enumerate(body)),
-                   parts=tuple(_parse_segment(p, j) for j, p in enumerate(parts)))
+    return ir.Step(
+      ir.LOOP_OP,
+      segment=_field(s, "segment", int, where),
+      length=_field(s, "length", int, where),
+      body=tuple(
+        _parse_step(b, j, f"{phase} step {i} body", config, buckets, True)
+        for j, b in enumerate(body)
+      ),
+      parts=tuple(_parse_segment(p, j) for j, p in enumerate(parts)),
+    )
   # the axes a collective spans follow from the config; a file that says otherwise was
   # edited (or made for another mesh layout)
   for key, expected in ir.collective_axes(op, phase.split()[0], config).items():
     if key in s:
-      _expect(s[key] == expected, f"{where}: {op} runs over {key} {expected} under this "
-              f"config (shard_axes, replicate_axes, secondary_partition), not {s[key]}; "
-              f"change the config, not the step")
+      _expect(
+        s[key] == expected,
+        f"{where}: {op} runs over {key} {expected} under this "
+        f"config (shard_axes, replicate_axes, secondary_partition), not {s[key]}; "
+        f"change the config, not the step",
+      )
   _expect(op != ir.LOOP_OP, f"{where}: loops do not nest (a loop step inside a loop body)")
   if op in ("compute", ir.RECOMPUTE_OP):
     part = _field(s, "part", int, where) if "part" in s or op == ir.RECOMPUTE_OP else None
@@ -422,10 +478,12 @@ def _check_quantized(s, step, phase, config, buckets, where):
     return  # the validator names the bad bucket
   expected = ir.step_quantization(step, phase, buckets, config).get("quantized")
   found = s.get("quantized")
-  _expect(found is None or found == expected,
-          f"{where}: {step.op} of bucket {step.bucket} is quantized as {expected} under this "
-          f"config (gather_quantization, gather_quantization_phases, reduce_quantization, "
-          f"quantization_block), not {found}; change the config, not the step")
+  _expect(
+    found is None or found == expected,
+    f"{where}: {step.op} of bucket {step.bucket} is quantized as {expected} under this "
+    f"config (gather_quantization, gather_quantization_phases, reduce_quantization, "
+    f"quantization_block), not {found}; change the config, not the step",
+  )
 
 
 def _items(data, key) -> list:
@@ -449,15 +507,19 @@ def _optional(obj, key, types, where, default):
 
 def _string_list(obj, key, where) -> list[str]:
   value = _field(obj, key, list, where)
-  _expect(all(isinstance(x, str) for x in value),
-          f"{where}: field {key!r} must be a list of strings, got {value!r}")
+  _expect(
+    all(isinstance(x, str) for x in value),
+    f"{where}: field {key!r} must be a list of strings, got {value!r}",
+  )
   return value
 
 
 def _int_list(obj, key, where) -> list[int]:
   value = _field(obj, key, list, where)
-  _expect(all(isinstance(x, int) and not isinstance(x, bool) for x in value),
-          f"{where}: field {key!r} must be a list of integers, got {value!r}")
+  _expect(
+    all(isinstance(x, int) and not isinstance(x, bool) for x in value),
+    f"{where}: field {key!r} must be a list of integers, got {value!r}",
+  )
   return value
 
 

@@ -12,12 +12,13 @@ import dataclasses
 import functools
 
 import jax
-from jax.ad_checkpoint import checkpoint_name
 import jax.extend.core as jex
-# JAX has no public dead-code elimination; this one is what jit itself applies.
-from jax._src.interpreters import partial_eval as pe
 import jax.numpy as jnp
 import numpy as np
+
+# JAX has no public dead-code elimination; this one is what jit itself applies.
+from jax._src.interpreters import partial_eval as pe
+from jax.ad_checkpoint import checkpoint_name
 
 from zjax._src import ir
 from zjax._src.program import FlatProgram
@@ -35,6 +36,7 @@ class SegmentIO:
 @dataclasses.dataclass
 class Analysis:
   """The program cut into segments, as both the planner and the executor see it."""
+
   views: dict  # value id -> parameter indices it is a layout view of
   chains: dict  # view id -> (parameter index, layout ops from the parameter to the view)
   ios: list[SegmentIO]
@@ -43,18 +45,23 @@ class Analysis:
   replicated: list[list[bool]]  # per segment: which param inputs are persistent (whole)
 
 
-def analyze(program: FlatProgram, segments, trained: list[bool],
-            persistent: list[bool]) -> Analysis:
+def analyze(
+  program: FlatProgram, segments, trained: list[bool], persistent: list[bool]
+) -> Analysis:
   """Segment inputs and outputs, which inputs depend on trained parameters (only those
   are differentiated, as in jax.value_and_grad) and which parameters are persistent."""
   views = param_views(program, len(trained))
   chains = view_chains(program, views, len(trained))
   ios = segment_ios(program, segments, views)
   wanted = needs_gradient(program, trained)
-  return Analysis(views, chains, ios,
-                  [[trained[chains[v][0]] for v in io.param_inputs] for io in ios],
-                  [[a in wanted for a in io.act_inputs] for io in ios],
-                  [[persistent[chains[v][0]] for v in io.param_inputs] for io in ios])
+  return Analysis(
+    views,
+    chains,
+    ios,
+    [[trained[chains[v][0]] for v in io.param_inputs] for io in ios],
+    [[a in wanted for a in io.act_inputs] for io in ios],
+    [[persistent[chains[v][0]] for v in io.param_inputs] for io in ios],
+  )
 
 
 def is_lazy_view(op, views) -> bool:
@@ -65,7 +72,7 @@ def segment_ios(program: FlatProgram, segments, views) -> list[SegmentIO]:
   readers = _last_readers(program, segments, views)
   result = []
   for seg in segments:
-    ops = [op for op in program.ops[seg.start:seg.end] if not is_lazy_view(op, views)]
+    ops = [op for op in program.ops[seg.start : seg.end] if not is_lazy_view(op, views)]
     defined, params, acts = set(), [], []
     for op in ops:
       for a in op.inputs:
@@ -118,6 +125,7 @@ def segment_fn(io: SegmentIO, differentiated=frozenset(), replicated=frozenset()
   those inside a loop or other higher-order op). `differentiated`: the inputs whose
   cotangents are wanted; `replicated`: the views of persistent parameters, whose weight
   gradients may be computed promptly (`_weight_gradient_first`)."""
+
   def run(params, acts):
     env = dict(zip(io.param_inputs, params))
     env.update(zip(io.act_inputs, acts))
@@ -137,6 +145,7 @@ def segment_fn(io: SegmentIO, differentiated=frozenset(), replicated=frozenset()
         perturbed.update(op.outputs)
       env.update(zip(op.outputs, outs))
     return [env[o] for o in io.outputs]
+
   return jax.checkpoint(run, policy=_POLICY)
 
 
@@ -167,6 +176,7 @@ def _promptly_differentiated(op):
   """`op` whose backward returns both operand cotangents through one optimization barrier,
   so that neither is read (the activation's by the backward that follows) before both are
   computed. The residuals are the operands, as `op`'s own rule keeps them."""
+
   def run(lhs, rhs):
     (out,) = apply_op(op, [lhs, rhs])
     return out
@@ -224,15 +234,15 @@ def _conv_as_patch_matmul(op, image_differentiated: bool):
   feature = dn.out_spec[1]
   out_dtype = op.eqn.outvars[0].aval.dtype
   accumulate = jnp.promote_types(op.eqn.invars[1].aval.dtype, jnp.float32)
-  matmul = functools.partial(jax.lax.dot_general, precision=p["precision"],
-                             preferred_element_type=accumulate)
+  matmul = functools.partial(
+    jax.lax.dot_general, precision=p["precision"], preferred_element_type=accumulate
+  )
 
   def run(lhs, rhs):
     patches = _patch_matrix(lhs, rhs.shape, p)
     k = rhs.ndim - 1  # the window's dims: the kernel's, less its output features
     window = tuple(d for d in range(rhs.ndim) if d != dn.rhs_spec[0])
-    out = matmul(patches, rhs, ((tuple(range(patches.ndim - k, patches.ndim)), window),
-                                ((), ())))
+    out = matmul(patches, rhs, ((tuple(range(patches.ndim - k, patches.ndim)), window), ((), ())))
     return jnp.moveaxis(out, -1, feature).astype(out_dtype)
 
   def forward(lhs, rhs):
@@ -273,15 +283,28 @@ def _patch_matrix(lhs, kernel_shape, p):
   feature = dn.out_spec[1]
   in_features = kernel_shape[dn.rhs_spec[1]]
   patches = jax.lax.conv_general_dilated_patches(
-      lhs, spatial, p["window_strides"], p["padding"], p["lhs_dilation"], p["rhs_dilation"],
-      dimension_numbers=dn, precision=jax.lax.Precision.HIGHEST)  # a copy: exact
+    lhs,
+    spatial,
+    p["window_strides"],
+    p["padding"],
+    p["lhs_dilation"],
+    p["rhs_dilation"],
+    dimension_numbers=dn,
+    precision=jax.lax.Precision.HIGHEST,
+  )  # a copy: exact
   # The feature dim is (input features, *window) flattened; split it in place.
-  patches = patches.reshape(patches.shape[:feature] + (in_features, *spatial) +
-                            patches.shape[feature + 1:])
-  position = {dn.rhs_spec[1]: feature,
-              **{d: feature + 1 + i for i, d in enumerate(dn.rhs_spec[2:])}}
-  outer = [d if d < feature else d + len(spatial)
-           for d in range(patches.ndim - len(spatial)) if d != feature]
+  patches = patches.reshape(
+    patches.shape[:feature] + (in_features, *spatial) + patches.shape[feature + 1 :]
+  )
+  position = {
+    dn.rhs_spec[1]: feature,
+    **{d: feature + 1 + i for i, d in enumerate(dn.rhs_spec[2:])},
+  }
+  outer = [
+    d if d < feature else d + len(spatial)
+    for d in range(patches.ndim - len(spatial))
+    if d != feature
+  ]
   window = [position[d] for d in range(len(kernel_shape)) if d != dn.rhs_spec[0]]
   return patches.transpose(outer + window)
 
@@ -292,10 +315,14 @@ def segment_vjp(io: SegmentIO, params, acts, diff_params, diff_acts, replicated)
   jax.value_and_grad. `replicated` flags the persistent parameters' views.
   vjp_fn(cts) -> (cotangents of the flagged params, of the flagged acts).
   """
-  run = segment_fn(io, frozenset(
-      [v for v, d in zip(io.param_inputs, diff_params) if d] +
-      [a for a, d in zip(io.act_inputs, diff_acts) if d]),
-      frozenset(v for v, r in zip(io.param_inputs, replicated) if r))
+  run = segment_fn(
+    io,
+    frozenset(
+      [v for v, d in zip(io.param_inputs, diff_params) if d]
+      + [a for a, d in zip(io.act_inputs, diff_acts) if d]
+    ),
+    frozenset(v for v, r in zip(io.param_inputs, replicated) if r),
+  )
 
   def differentiable(dp, da):
     it_p, it_a = iter(dp), iter(da)
@@ -303,8 +330,11 @@ def segment_vjp(io: SegmentIO, params, acts, diff_params, diff_acts, replicated)
     all_a = [next(it_a) if d else a for a, d in zip(acts, diff_acts)]
     return run(all_p, all_a)
 
-  return jax.vjp(differentiable, [p for p, d in zip(params, diff_params) if d],
-                 [a for a, d in zip(acts, diff_acts) if d])
+  return jax.vjp(
+    differentiable,
+    [p for p, d in zip(params, diff_params) if d],
+    [a for a, d in zip(acts, diff_acts) if d],
+  )
 
 
 def apply_op(op, invals) -> list:
@@ -336,8 +366,9 @@ def restore_params(stripped, params):
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def backward_param_reads(io: SegmentIO, avals, diff_params, diff_acts, replicated
-                         ) -> tuple[set[int], set[int]]:
+def backward_param_reads(
+  io: SegmentIO, avals, diff_params, diff_acts, replicated
+) -> tuple[set[int], set[int]]:
   """(positions in `io.param_inputs` whose values the segment's backward reads, those of
   them that a gather of the backward reads: lookups the vjp recomputes, as the residual
   policy keeps matmul outputs only).
@@ -393,8 +424,14 @@ def _gathered(jaxpr, derived: dict) -> set:
     elif label is not None and eqn.primitive.name in LAYOUT_PRIMITIVES:
       derived.update((o, label) for o in eqn.outvars)
     for _, sub, atoms in sub_jaxprs(eqn):
-      found |= _gathered(sub, {iv: derived[a] for a, iv in zip(atoms, sub.invars)
-                               if isinstance(a, jex.Var) and a in derived})
+      found |= _gathered(
+        sub,
+        {
+          iv: derived[a]
+          for a, iv in zip(atoms, sub.invars)
+          if isinstance(a, jex.Var) and a in derived
+        },
+      )
   return found
 
 
@@ -422,7 +459,7 @@ def _last_readers(program, segments, views) -> dict[int, int]:
   """Value id -> last segment that reads it (len(segments) for the program's result)."""
   last = {}
   for seg in segments:
-    for op in program.ops[seg.start:seg.end]:
+    for op in program.ops[seg.start : seg.end]:
       if not is_lazy_view(op, views):
         for a in op.inputs:
           if isinstance(a, int):

@@ -30,8 +30,9 @@ from zjax._src import ir, loop_parts, loops
 from zjax._src.trace import LAYOUT_PRIMITIVES
 
 
-def megatron_estimate(trace, entries, segments=(), recomputed_lookups=(), rolled=None
-                      ) -> list[tuple[str, str, int]]:
+def megatron_estimate(
+  trace, entries, segments=(), recomputed_lookups=(), rolled=None
+) -> list[tuple[str, str, int]]:
   """[(kind, phase, bytes)] of the tensor axis's collectives in one step (per micro-batch),
   from the traced program and the schedule's parameter entries (their tensor dims); empty
   without tensor-parallel parameters. `segments` and `recomputed_lookups` (per segment, the
@@ -43,8 +44,11 @@ def megatron_estimate(trace, entries, segments=(), recomputed_lookups=(), rolled
   program = trace.program
   # a scanned parameter's tensor dim counts from its layer's dims; the program's value is
   # the whole stack
-  split = {program.input_ids[i]: e.tensor_dim + e.stacked for i, e in enumerate(entries)
-           if e.tensor_dim is not None}
+  split = {
+    program.input_ids[i]: e.tensor_dim + e.stacked
+    for i, e in enumerate(entries)
+    if e.tensor_dim is not None
+  }
   if not split:
     return []
   origin = {program.input_ids[i]: i for i in range(len(entries))}  # view -> its parameter
@@ -55,8 +59,11 @@ def megatron_estimate(trace, entries, segments=(), recomputed_lookups=(), rolled
     if node.primitive == "gather" and n not in rolled_ops:
       return n in segment_of and origin[node.inputs[0]] in recomputed_lookups[segment_of[n]]
     return n in recomputed_at
-  nodes = [_Node(op.primitive, op.eqn, [v if isinstance(v, int) else None for v in op.inputs],
-                 op.outputs) for op in program.ops]
+
+  nodes = [
+    _Node(op.primitive, op.eqn, [v if isinstance(v, int) else None for v in op.inputs], op.outputs)
+    for op in program.ops
+  ]
   # values that depend on trained parameters (a frozen one's have no gradient)
   differentiable = {program.input_ids[i] for i, e in enumerate(entries) if ir.has_gradient(e)}
   return _Walk(lambda v: program.avals[v], split, origin, differentiable, again).run(nodes)
@@ -97,8 +104,12 @@ class _Walk:
         continue
       for pos in (0, 1):
         other = values[1 - pos]
-        if (values[pos] in self.split and other in self.differentiable
-            and other not in self.origin and other not in reduced_inputs):
+        if (
+          values[pos] in self.split
+          and other in self.differentiable
+          and other not in self.origin
+          and other not in reduced_inputs
+        ):
           reduced_inputs.add(other)  # column-parallel: the input's gradient, in backward
           out.append(("all_reduce", "backward", self._bytes(other)))
     return out
@@ -119,8 +130,9 @@ class _Walk:
       return self._bytes(node.outputs[0])
     if node.primitive == "dot_general":
       contracted = node.eqn.params["dimension_numbers"][0]
-      if any(values[pos] in self.split and self.split[values[pos]] in contracted[pos]
-             for pos in (0, 1)):
+      if any(
+        values[pos] in self.split and self.split[values[pos]] in contracted[pos] for pos in (0, 1)
+      ):
         return self._bytes(node.outputs[0])
     return None
 
@@ -141,16 +153,30 @@ class _Walk:
       if outer in self.differentiable:
         differentiable.add(var)
     carries = range(eqn.params["num_consts"], first_xs)
-    signatures = _scan_backward_signatures(eqn, [
+    signatures = _scan_backward_signatures(
+      eqn,
+      [
         k in carries or (outer is not None and outer in self.differentiable)
-        for k, outer in enumerate(node.inputs)])
-    nodes = [_Node(e.primitive.name, e, [v if isinstance(v, jex.Var) else None
-                                         for v in e.invars], list(e.outvars))
-             for e in body.eqns]
-    inner = _Walk(lambda v: v.aval, split, origin, differentiable,
-                  lambda n, node: loop_parts.op_signature(node.eqn) in signatures)
-    return [(kind, phase, size * eqn.params["length"])
-            for kind, phase, size in inner.run(nodes)]
+        for k, outer in enumerate(node.inputs)
+      ],
+    )
+    nodes = [
+      _Node(
+        e.primitive.name,
+        e,
+        [v if isinstance(v, jex.Var) else None for v in e.invars],
+        list(e.outvars),
+      )
+      for e in body.eqns
+    ]
+    inner = _Walk(
+      lambda v: v.aval,
+      split,
+      origin,
+      differentiable,
+      lambda n, node: loop_parts.op_signature(node.eqn) in signatures,
+    )
+    return [(kind, phase, size * eqn.params["length"]) for kind, phase, size in inner.run(nodes)]
 
   def _bytes(self, value) -> int:
     return ir.aval_bytes(self.aval_of(value))
@@ -161,8 +187,10 @@ def _scan_backward_signatures(eqn, differentiated) -> set:
   executes: the loop's backward recomputes the iteration from its saved carry, as far as
   the body's vjp (in the float inputs `differentiated` marks, as execute_loop.py takes
   it) needs it (JAX's dead-code elimination)."""
-  floats = [ir.is_float(v.aval.dtype) and d
-            for v, d in zip(eqn.params["jaxpr"].jaxpr.invars, differentiated)]
+  floats = [
+    ir.is_float(v.aval.dtype) and d
+    for v, d in zip(eqn.params["jaxpr"].jaxpr.invars, differentiated)
+  ]
   jaxpr, _ = loops.iteration_vjp(eqn, floats)
   return loop_parts.op_signatures(jaxpr)
 

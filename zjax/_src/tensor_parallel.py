@@ -13,8 +13,10 @@ axis on its dimension.
 """
 
 import dataclasses
+
 import jax
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from zjax._src import tensor_specs as specs_lib
 from zjax._src.errors import ZjaxError
@@ -23,6 +25,7 @@ from zjax._src.errors import ZjaxError
 @dataclasses.dataclass(frozen=True)
 class TensorParallel:
   """What the planner needs: the tensor axes' sizes and each parameter's tensor dim."""
+
   sizes: tuple[int, ...] = ()  # of config.tensor_axes
   dims: tuple[int | None, ...] | None = None  # per parameter leaf; None: no tensor axis
 
@@ -42,24 +45,28 @@ class TensorParallel:
 NONE = TensorParallel()
 
 
-def resolve(params, config, mesh, axis_sizes, tensor_specs, logical_axis_rules
-            ) -> TensorParallel:
+def resolve(params, config, mesh, axis_sizes, tensor_specs, logical_axis_rules) -> TensorParallel:
   """The tensor axes' sizes (from the mesh or axis_sizes) and every leaf's tensor dim."""
   if not config.tensor_axes:
     if tensor_specs is not None:
-      raise ZjaxError("tensor_specs were given, but ZeroConfig.tensor_axes is empty: name "
-                      "the mesh's tensor axis, e.g. ZeroConfig(tensor_axes=('tensor',)).")
+      raise ZjaxError(
+        "tensor_specs were given, but ZeroConfig.tensor_axes is empty: name "
+        "the mesh's tensor axis, e.g. ZeroConfig(tensor_axes=('tensor',))."
+      )
     return NONE
   (axis,) = config.tensor_axes
   if mesh is not None:
     if axis not in mesh.shape:
-      raise ZjaxError(f"ZeroConfig.tensor_axes names {axis!r}, but the mesh has axes "
-                      f"{tuple(mesh.shape)}.")
+      raise ZjaxError(
+        f"ZeroConfig.tensor_axes names {axis!r}, but the mesh has axes {tuple(mesh.shape)}."
+      )
     if mesh.axis_types[mesh.axis_names.index(axis)] != AxisType.Auto:
-      raise ZjaxError(f"Mesh axis {axis!r} is a tensor axis (ZeroConfig.tensor_axes) and "
-                      f"must be AxisType.Auto (GSPMD partitions the model over it inside "
-                      f"zjax's program); it is {mesh.axis_types[mesh.axis_names.index(axis)]}."
-                      f" Make it with jax.make_mesh(..., axis_types=...) naming it Auto.")
+      raise ZjaxError(
+        f"Mesh axis {axis!r} is a tensor axis (ZeroConfig.tensor_axes) and "
+        f"must be AxisType.Auto (GSPMD partitions the model over it inside "
+        f"zjax's program); it is {mesh.axis_types[mesh.axis_names.index(axis)]}."
+        f" Make it with jax.make_mesh(..., axis_types=...) naming it Auto."
+      )
     size, known = int(mesh.shape[axis]), tuple(mesh.axis_names)
   else:
     size, known = axis_sizes[axis], tuple(axis_sizes)
@@ -79,11 +86,13 @@ def per_layer(trace, tensor: TensorParallel, stacked: dict) -> TensorParallel:
   dims = list(tensor.dims)
   for i in stacked:
     if dims[i] == 0:
-      raise ZjaxError(f"Parameter {trace.params[i].path} is stacked along a scanned layer "
-                      f"axis (nn.scan / lax.scan), and that axis (dim 0) is split over the "
-                      f"tensor axis: split a dimension of the layer instead (name the "
-                      f"scan axis, e.g. nn.scan(..., metadata_params={{nn.PARTITION_NAME: "
-                      f"'layers'}}), and leave 'layers' out of the rules).")
+      raise ZjaxError(
+        f"Parameter {trace.params[i].path} is stacked along a scanned layer "
+        f"axis (nn.scan / lax.scan), and that axis (dim 0) is split over the "
+        f"tensor axis: split a dimension of the layer instead (name the "
+        f"scan axis, e.g. nn.scan(..., metadata_params={{nn.PARTITION_NAME: "
+        f"'layers'}}), and leave 'layers' out of the rules)."
+      )
     if dims[i] is not None:
       dims[i] -= 1
   return dataclasses.replace(tensor, dims=tuple(dims))
@@ -96,8 +105,9 @@ def tp_spec(entry, tensor_axis) -> P:
   return P(*[tensor_axis if d == entry.tensor_dim else None for d in range(len(entry.shape))])
 
 
-def nested(fn, entries, tensor_axis, inputs: str, outputs: str, ranked_in: int = 0,
-           ranked_out: int = 0):
+def nested(
+  fn, entries, tensor_axis, inputs: str, outputs: str, ranked_in: int = 0, ranked_out: int = 0
+):
   """Run `fn` (on per-device TP-local values) manual over the tensor axis too.
 
   `inputs`/`outputs` say how each side is laid out: "storage" (one storage chunk per entry:
@@ -108,24 +118,32 @@ def nested(fn, entries, tensor_axis, inputs: str, outputs: str, ranked_in: int =
   rank whatever their members (a bucket's gathered wire buffer, its hpZ secondary): outside
   they have a leading axis of one row per rank, inside the rank's row.
   """
-  specs = {"storage": lambda e: P(tensor_axis) if e.tensor_dim is not None else P(),
-           "natural": lambda e: tp_spec(e, tensor_axis)}
+  specs = {
+    "storage": lambda e: P(tensor_axis) if e.tensor_dim is not None else P(),
+    "natural": lambda e: tp_spec(e, tensor_axis),
+  }
   in_entries = [] if inputs == "none" else list(entries)
   out_entries = [] if outputs == "none" else list(entries)
 
   def local(values):
-    per_entry = [v[0] if inputs == "storage" and e.tensor_dim is not None else v
-                 for v, e in zip(values, in_entries)]
-    out = fn(per_entry + [v[0] for v in values[len(in_entries):]])
-    return ([v[None] if outputs == "storage" and e.tensor_dim is not None else v
-             for v, e in zip(out, out_entries)] + [v[None] for v in out[len(out_entries):]])
+    per_entry = [
+      v[0] if inputs == "storage" and e.tensor_dim is not None else v
+      for v, e in zip(values, in_entries)
+    ]
+    out = fn(per_entry + [v[0] for v in values[len(in_entries) :]])
+    return [
+      v[None] if outputs == "storage" and e.tensor_dim is not None else v
+      for v, e in zip(out, out_entries)
+    ] + [v[None] for v in out[len(out_entries) :]]
 
-  return jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(),
-                       in_specs=([specs[inputs](e) for e in in_entries]
-                                 + [P(tensor_axis)] * ranked_in,),
-                       out_specs=([specs[outputs](e) for e in out_entries]
-                                  + [P(tensor_axis)] * ranked_out),
-                       axis_names={tensor_axis}, check_vma=False)
+  return jax.shard_map(
+    local,
+    mesh=jax.sharding.get_abstract_mesh(),
+    in_specs=([specs[inputs](e) for e in in_entries] + [P(tensor_axis)] * ranked_in,),
+    out_specs=([specs[outputs](e) for e in out_entries] + [P(tensor_axis)] * ranked_out),
+    axis_names={tensor_axis},
+    check_vma=False,
+  )
 
 
 def slice_entry(entry):
@@ -133,6 +151,7 @@ def slice_entry(entry):
   if entry.tensor_dim is None:
     return entry
   return dataclasses.replace(entry, shape=entry.slice_shape, tensor_dim=None, tensor_size=1)
+
 
 def rank_chunk(chunk, entry):
   """The shape of one tensor rank's part of a storage chunk (a tensor-parallel entry's

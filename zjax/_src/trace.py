@@ -17,11 +17,12 @@ from typing import Any, Callable
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
+import numpy as np
+
 # JAX has no public dead-code elimination (nor a public way to bind an axis name while
 # tracing outside shard_map); these are what jit and make_jaxpr(axis_env=) use.
 from jax._src import core as jax_core
 from jax._src.interpreters import partial_eval as pe
-import numpy as np
 
 from zjax._src import constraints, ir
 from zjax._src.errors import TraceError
@@ -30,12 +31,14 @@ from zjax._src.program import INLINED_PRIMITIVES, FlatProgram, flatten_program
 # Ops that only change a value's layout or dtype: a parameter seen through them is still
 # "the parameter", and its real use is the op that consumes the result.
 LAYOUT_PRIMITIVES = frozenset(
-    {"reshape", "transpose", "convert_element_type", "squeeze", "expand_dims", "copy", "copy_p"})
+  {"reshape", "transpose", "convert_element_type", "squeeze", "expand_dims", "copy", "copy_p"}
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class ParamUse:
   """One use of a parameter: which top-level op, and where inside it."""
+
   op: int
   primitive: str  # innermost primitive that consumes the parameter
   context: str  # nesting inside the op, e.g. "scan(length=4) > cond[branch 1]"; "" at top level
@@ -45,6 +48,7 @@ class ParamUse:
 @dataclasses.dataclass(frozen=True)
 class ParamInfo:
   """A parameter leaf and all its uses in program order."""
+
   index: int
   path: str  # jax.tree_util.keystr of the leaf's path in params
   keys: tuple[str, ...]  # the path as plain names, e.g. ("params", "Dense_0", "kernel")
@@ -78,6 +82,7 @@ class OpInfo:
 class ProgramTrace:
   """Result of the trace pass: parameters with their uses, the op list, and the flattened
   program itself (what the executor runs)."""
+
   params: tuple[ParamInfo, ...]
   ops: tuple[OpInfo, ...]
   treedef: Any
@@ -87,8 +92,7 @@ class ProgramTrace:
   notes: tuple[str, ...] = ()
 
 
-def trace_program(loss_fn: Callable, params: Any, batch: Any, extra: Any = None
-                  ) -> ProgramTrace:
+def trace_program(loss_fn: Callable, params: Any, batch: Any, extra: Any = None) -> ProgramTrace:
   """Trace `loss_fn(params, batch)` and return every parameter leaf's uses in program order.
 
   `params` and `batch` may hold concrete arrays or `jax.ShapeDtypeStruct`s. With `extra`
@@ -117,10 +121,16 @@ def trace_program(loss_fn: Callable, params: Any, batch: Any, extra: Any = None
   program = flatten_program(without_dead_code(closed))
   uses = _find_uses(program, len(path_leaves))
   infos = tuple(
-      ParamInfo(index=i, path=jax.tree_util.keystr(path), keys=_key_names(path),
-                shape=tuple(int(d) for d in leaf.shape), dtype=np.dtype(leaf.dtype),
-                uses=tuple(uses.get(i, ())))
-      for i, (path, leaf) in enumerate(path_leaves))
+    ParamInfo(
+      index=i,
+      path=jax.tree_util.keystr(path),
+      keys=_key_names(path),
+      shape=tuple(int(d) for d in leaf.shape),
+      dtype=np.dtype(leaf.dtype),
+      uses=tuple(uses.get(i, ())),
+    )
+    for i, (path, leaf) in enumerate(path_leaves)
+  )
   ops = tuple(OpInfo(primitive=op.primitive, module=op.module) for op in program.ops)
   return ProgramTrace(params=infos, ops=ops, treedef=treedef, program=program)
 
@@ -142,8 +152,9 @@ def data_axis_bound(axis_sizes: dict[str, int]):
     yield
 
 
-def trace_for_schedule(loss_fn, params, batch, config, axis_sizes: dict[str, int],
-                       extra=None, mesh=None):
+def trace_for_schedule(
+  loss_fn, params, batch, config, axis_sizes: dict[str, int], extra=None, mesh=None
+):
   """Trace as the executor runs: on one device's share of the batch, with the data axes
   (`axis_sizes`: name -> size) bound and floating-point parameters in the compute dtype.
   The table keeps each parameter's own (storage) dtype. With tensor axes, `mesh` (a jax
@@ -152,8 +163,10 @@ def trace_for_schedule(loss_fn, params, batch, config, axis_sizes: dict[str, int
   if config.tensor_axes and mesh is None:
     raise ValueError("Tracing a tensor-parallel schedule needs the mesh (or its shape).")
   mesh = constraints.abstract_mesh(mesh, config.data_axes) if config.tensor_axes else None
-  as_computed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      np.shape(x), ir.gather_dtype(x.dtype, config.compute_dtype)), params)
+  as_computed = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(np.shape(x), ir.gather_dtype(x.dtype, config.compute_dtype)),
+    params,
+  )
   share = int(np.prod(list(axis_sizes.values()), dtype=np.int64))
   device_batch = per_device_batch(batch, share)
   stored = [np.dtype(x.dtype) for x in jax.tree.leaves(params)]
@@ -161,8 +174,9 @@ def trace_for_schedule(loss_fn, params, batch, config, axis_sizes: dict[str, int
   if key is not None and key in _TRACES:
     return _TRACES[key][1]
   trace = _trace_bound(loss_fn, as_computed, device_batch, extra, axis_sizes, config, mesh)
-  trace = dataclasses.replace(trace, params=tuple(
-      dataclasses.replace(p, dtype=d) for p, d in zip(trace.params, stored)))
+  trace = dataclasses.replace(
+    trace, params=tuple(dataclasses.replace(p, dtype=d) for p, d in zip(trace.params, stored))
+  )
   if key is not None:
     if len(_TRACES) >= _MAX_TRACES:
       _TRACES.pop(next(iter(_TRACES)))
@@ -180,12 +194,18 @@ _MAX_TRACES = 4
 def _trace_key(loss_fn, params, batch, extra, axis_sizes, stored, mesh):
   def shapes(tree):
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return treedef, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x))))
-                          for x in leaves)
+    return treedef, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x)))) for x in leaves)
+
   try:
-    key = (id(loss_fn), shapes(params), shapes(batch), shapes(extra),
-           tuple(axis_sizes.items()), tuple(stored),
-           mesh)
+    key = (
+      id(loss_fn),
+      shapes(params),
+      shapes(batch),
+      shapes(extra),
+      tuple(axis_sizes.items()),
+      tuple(stored),
+      mesh,
+    )
     hash(key)
   except TypeError:  # an unhashable treedef (custom nodes): no caching
     return None
@@ -196,22 +216,26 @@ def _trace_bound(loss_fn, as_computed, device_batch, extra, axis_sizes, config, 
   notes = []
   with data_axis_bound(axis_sizes), constraints.tracing_mesh(mesh, config.data_axes, notes):
     try:
-      trace = dataclasses.replace(trace_program(loss_fn, as_computed, device_batch, extra),
-                                  notes=tuple(notes))
+      trace = dataclasses.replace(
+        trace_program(loss_fn, as_computed, device_batch, extra), notes=tuple(notes)
+      )
     except _UnboundAxisError as e:
       if e.axis in config.tensor_axes:
         raise TraceError(
-            f"{e} {e.axis!r} is a tensor axis (ZeroConfig.tensor_axes): GSPMD partitions "
-            f"the model over it, so the loss may not call collectives over it outside a "
-            f"shard_map of its own. Drop the call (GSPMD inserts the tensor collectives), "
-            f"or wrap that code in jax.shard_map(..., axis_names={{{e.axis!r}}}).") from None
+          f"{e} {e.axis!r} is a tensor axis (ZeroConfig.tensor_axes): GSPMD partitions "
+          f"the model over it, so the loss may not call collectives over it outside a "
+          f"shard_map of its own. Drop the call (GSPMD inserts the tensor collectives), "
+          f"or wrap that code in jax.shard_map(..., axis_names={{{e.axis!r}}})."
+        ) from None
       axes = tuple(axis_sizes)
       bound = f"its data axis {axes[0]!r}" if len(axes) == 1 else f"the data axes {axes}"
-      raise TraceError(f"{e} zjax binds {bound} (ZeroConfig.shard_axes / axis_name and "
-                       f"replicate_axes), over which it splits the batch: name "
-                       f"the model's axis {axes[-1]!r} (e.g. nn.BatchNorm(axis_name="
-                       f"{axes[-1]!r})), or set ZeroConfig(axis_name={e.axis!r}) and name "
-                       f"the mesh axis {e.axis!r}.") from None
+      raise TraceError(
+        f"{e} zjax binds {bound} (ZeroConfig.shard_axes / axis_name and "
+        f"replicate_axes), over which it splits the batch: name "
+        f"the model's axis {axes[-1]!r} (e.g. nn.BatchNorm(axis_name="
+        f"{axes[-1]!r})), or set ZeroConfig(axis_name={e.axis!r}) and name "
+        f"the mesh axis {e.axis!r}."
+      ) from None
   return trace
 
 
@@ -221,9 +245,12 @@ def per_device_batch(batch, num_devices: int):
   leaves = jax.tree.leaves(batch)
   if any(np.ndim(x) and np.shape(x)[0] % num_devices for x in leaves):
     return batch
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      (np.shape(x)[0] // num_devices,) + tuple(np.shape(x)[1:]) if np.ndim(x) else (),
-      x.dtype), batch)
+  return jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(
+      (np.shape(x)[0] // num_devices,) + tuple(np.shape(x)[1:]) if np.ndim(x) else (), x.dtype
+    ),
+    batch,
+  )
 
 
 # Ops whose gradient with respect to their inputs is zero.
@@ -237,14 +264,16 @@ def gradient_free(program: FlatProgram, num_params: int) -> frozenset[int]:
   Their gradient is zero, and XLA deletes a reduction of zeros. A higher-order op (scan,
   cond, custom rule) passes gradients to all its inexact inputs: the answer errs towards a
   gradient."""
+
   def is_inexact(v):  # floating or complex: a gradient flows through an FFT too
     dtype = getattr(program.avals[v], "dtype", None)  # (a token has none)
     return dtype is not None and bool(jnp.issubdtype(dtype, jnp.inexact))
 
   reached = {program.output_ids[0]} if isinstance(program.output_ids[0], int) else set()
   for op in reversed(program.ops):
-    if op.primitive in _ZERO_GRADIENT_PRIMITIVES or \
-        not any(o in reached and is_inexact(o) for o in op.outputs):
+    if op.primitive in _ZERO_GRADIENT_PRIMITIVES or not any(
+      o in reached and is_inexact(o) for o in op.outputs
+    ):
       continue
     reached.update(a for a in op.inputs if isinstance(a, int) and is_inexact(a))
   return frozenset(i for i in range(num_params) if program.input_ids[i] not in reached)
@@ -275,11 +304,13 @@ def _find_uses(program: FlatProgram, num_params: int) -> dict[int, list[ParamUse
   for index, op in enumerate(program.ops):
     if op.primitive in LAYOUT_PRIMITIVES or not _view_origins(op.inputs, views):
       continue
-    by_var = {v: views[i] for v, i in zip(op.eqn.invars, op.inputs)
-              if isinstance(i, int) and i in views}
+    by_var = {
+      v: views[i] for v, i in zip(op.eqn.invars, op.inputs) if isinstance(i, int) and i in views
+    }
     for param, primitive, context in _uses_inside(op.eqn, by_var):
       uses.setdefault(param, []).append(
-          ParamUse(op=index, primitive=primitive, context=context, module=op.module))
+        ParamUse(op=index, primitive=primitive, context=context, module=op.module)
+      )
   return uses
 
 
@@ -295,8 +326,11 @@ def _uses_inside(eqn, derived) -> list[tuple[int, str, str]]:
   found = []
   subs = sub_jaxprs(eqn)
   for label, sub, outer_atoms in subs:
-    inner = {iv: derived[v] for v, iv in zip(outer_atoms, sub.invars)
-             if isinstance(v, jex.Var) and v in derived}
+    inner = {
+      iv: derived[v]
+      for v, iv in zip(outer_atoms, sub.invars)
+      if isinstance(v, jex.Var) and v in derived
+    }
     for param, primitive, context in _uses_in_body(sub, inner):
       found.append((param, primitive, label + (" > " + context if context else "")))
   seen = {p for p, _, _ in found}
@@ -318,8 +352,11 @@ def _uses_in_body(jaxpr, derived) -> list[tuple[int, str, str]]:
         derived[out] = origins
     elif name in INLINED_PRIMITIVES:
       sub = _closed_jaxpr_param(eqn)
-      inner = {iv: derived[v] for v, iv in zip(eqn.invars, sub.invars)
-               if isinstance(v, jex.Var) and v in derived}
+      inner = {
+        iv: derived[v]
+        for v, iv in zip(eqn.invars, sub.invars)
+        if isinstance(v, jex.Var) and v in derived
+      }
       found.extend(_uses_in_body(sub, inner))
       for out, inner_out in zip(eqn.outvars, sub.outvars):
         if isinstance(inner_out, jex.Var) and inner_out in inner:
@@ -333,13 +370,17 @@ def sub_jaxprs(eqn) -> list[tuple[str, jex.Jaxpr, list]]:
   """(label, body jaxpr, outer atoms aligned with the body's invars) for a higher-order op."""
   name, params = eqn.primitive.name, eqn.params
   if name == "cond":
-    return [(f"cond[branch {i}]", br.jaxpr, list(eqn.invars[1:]))
-            for i, br in enumerate(params["branches"])]
+    return [
+      (f"cond[branch {i}]", br.jaxpr, list(eqn.invars[1:]))
+      for i, br in enumerate(params["branches"])
+    ]
   if name == "while":
     nc, nb = params["cond_nconsts"], params["body_nconsts"]
-    carry = list(eqn.invars[nc + nb:])
-    return [("while[cond]", params["cond_jaxpr"].jaxpr, list(eqn.invars[:nc]) + carry),
-            ("while[body]", params["body_jaxpr"].jaxpr, list(eqn.invars[nc:]))]
+    carry = list(eqn.invars[nc + nb :])
+    return [
+      ("while[cond]", params["cond_jaxpr"].jaxpr, list(eqn.invars[:nc]) + carry),
+      ("while[body]", params["body_jaxpr"].jaxpr, list(eqn.invars[nc:])),
+    ]
   label = f"scan(length={params['length']})" if name == "scan" else name
   subs = []
   for sub in jex.jaxprs_in_params(params):
@@ -375,8 +416,9 @@ class _UnboundAxisError(TraceError):
 
   def __init__(self, axis: str):
     super().__init__(
-        f"loss_fn uses a collective over the axis {axis!r} (lax.psum / pmean / axis_index, "
-        f"or e.g. nn.BatchNorm(axis_name={axis!r})), which is not bound while tracing.")
+      f"loss_fn uses a collective over the axis {axis!r} (lax.psum / pmean / axis_index, "
+      f"or e.g. nn.BatchNorm(axis_name={axis!r})), which is not bound while tracing."
+    )
     self.axis = axis
 
 
@@ -395,9 +437,10 @@ def _key_names(path) -> tuple[str, ...]:
 def _check_leaf(path, leaf):
   if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
     raise TraceError(
-        f"Parameter {jax.tree_util.keystr(path)} is a {type(leaf).__name__}, not an array: "
-        f"every params leaf must be an array or a jax.ShapeDtypeStruct. Move constants out of "
-        f"the params pytree (close over them in loss_fn instead).")
+      f"Parameter {jax.tree_util.keystr(path)} is a {type(leaf).__name__}, not an array: "
+      f"every params leaf must be an array or a jax.ShapeDtypeStruct. Move constants out of "
+      f"the params pytree (close over them in loss_fn instead)."
+    )
 
 
 def _check_loss_output(closed, out_shape, extra):
@@ -406,14 +449,20 @@ def _check_loss_output(closed, out_shape, extra):
     expected = jax.tree_util.tree_structure((0.0, extra))
     if jax.tree_util.tree_structure(out_shape) != expected:
       raise TraceError(
-          f"With extra state, loss_fn(params, batch, extra) must return (loss, new_extra) with "
-          f"new_extra shaped like extra; it returned {jax.tree_util.tree_structure(out_shape)}"
-          f", expected {expected}.")
+        f"With extra state, loss_fn(params, batch, extra) must return (loss, new_extra) with "
+        f"new_extra shaped like extra; it returned {jax.tree_util.tree_structure(out_shape)}"
+        f", expected {expected}."
+      )
     outs = outs[:1]
-  if len(outs) != 1 or outs[0].shape != () or not np.issubdtype(outs[0].dtype, np.inexact) \
-      and outs[0].dtype.name != "bfloat16":
+  if (
+    len(outs) != 1
+    or outs[0].shape != ()
+    or not np.issubdtype(outs[0].dtype, np.inexact)
+    and outs[0].dtype.name != "bfloat16"
+  ):
     found = ", ".join(f"{a.dtype.name}{list(a.shape)}" for a in outs) or "nothing"
     raise TraceError(
-        f"loss_fn(params, batch) must return one scalar floating-point loss; it returned "
-        f"{found}. Reduce the loss to a scalar (e.g. .mean()) and return auxiliary outputs "
-        f"separately.")
+      f"loss_fn(params, batch) must return one scalar floating-point loss; it returned "
+      f"{found}. Reduce the loss to a scalar (e.g. .mean()) and return auxiliary outputs "
+      f"separately."
+    )

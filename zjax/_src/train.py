@@ -15,9 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+
 # No public dead-code elimination in JAX; this is the one jit applies.
 from jax._src.interpreters import partial_eval as pe
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zjax._src import ir, layout, offload, offload_stream, optcheck, tensor_specs, xla_options
 from zjax._src.errors import ZjaxError
@@ -26,6 +28,7 @@ from zjax._src.execute import is_key, value_and_grad
 
 class TrainState(NamedTuple):
   """Everything that changes during training, sharded like the schedule's layout."""
+
   step: jax.Array  # int32 scalar: optimizer steps taken
   params: Any  # the parameters in the sharded layout (offloaded: the device copies, in
   #              the compute dtype, that the step gathers from)
@@ -37,6 +40,7 @@ class TrainState(NamedTuple):
 
 class Zero3(NamedTuple):
   """The trainer's pure functions (see `zero3`)."""
+
   init: Callable  # natural-shape params -> TrainState
   init_from: Callable  # (init_fn, *args) -> TrainState, never holding the whole model
   step: Callable  # (TrainState, batch) -> (TrainState, metrics); jitted, state donated;
@@ -59,10 +63,18 @@ class NonFiniteError(FloatingPointError):
     self.state, self.metrics = state, metrics
 
 
-def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, *, mesh,
-          accumulation_steps: int = 1, on_nonfinite: str = "skip",
-          max_consecutive_skips: int | None = None, offload_optimizer: bool = False,
-          offload_params: bool = False) -> Zero3:
+def zero3(
+  loss_fn: Callable,
+  optimizer: optax.GradientTransformation,
+  schedule,
+  *,
+  mesh,
+  accumulation_steps: int = 1,
+  on_nonfinite: str = "skip",
+  max_consecutive_skips: int | None = None,
+  offload_optimizer: bool = False,
+  offload_params: bool = False,
+) -> Zero3:
   """A ZeRO-3 trainer for `loss_fn(params, batch) -> scalar` running `schedule` on `mesh`.
 
   Args:
@@ -132,26 +144,37 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
   copy_shardings = [offload.with_kind(s, copies_kind) for s in leaf_shardings]
 
   def _state_from(sharded, extra) -> TrainState:
-    optcheck.check_optimizer(optimizer, schedule, mesh, jax.tree_util.tree_structure(sharded),
-                             jax.tree.leaves(trainable(sharded)),
-                             name=optcheck.transform_name(optimizer))
+    optcheck.check_optimizer(
+      optimizer,
+      schedule,
+      mesh,
+      jax.tree_util.tree_structure(sharded),
+      jax.tree.leaves(trainable(sharded)),
+      name=optcheck.transform_name(optimizer),
+    )
     masters = None
     if offload_optimizer:  # masters to the host, device copies in the compute dtype
       masters = offload.place(sharded, _like(sharded, leaf_shardings), offload.HOST)
       dtypes = offload.copy_dtypes(schedule)
-      sharded = jax.jit(lambda m: offload.device_copies(m, dtypes),
-                        out_shardings=_like(sharded, copy_shardings))(sharded)
+      sharded = jax.jit(
+        lambda m: offload.device_copies(m, dtypes), out_shardings=_like(sharded, copy_shardings)
+      )(sharded)
     with jax.set_mesh(mesh):  # optax creates unsharded scalars: Explicit meshes need context
       # explicit output shardings: on Auto axes jit would otherwise replicate the moments
       base = sharded if masters is None else masters
-      shardings = _opt_state_shardings(jax.eval_shape(masked_opt.init, base), schedule, mesh,
-                                       offload_optimizer)
+      shardings = _opt_state_shardings(
+        jax.eval_shape(masked_opt.init, base), schedule, mesh, offload_optimizer
+      )
       init_opt = offload.on_host(masked_opt.init) if offload_optimizer else masked_opt.init
       opt_state = jax.jit(init_opt, out_shardings=shardings)(base)
-    state = TrainState(step=jnp.zeros((), jnp.int32), params=sharded, opt_state=opt_state,
-                       # copies: the state is donated, the caller's arrays must survive
-                       extra=jax.tree.map(lambda x: jnp.array(x, copy=True), extra),
-                       masters=masters)
+    state = TrainState(
+      step=jnp.zeros((), jnp.int32),
+      params=sharded,
+      opt_state=opt_state,
+      # copies: the state is donated, the caller's arrays must survive
+      extra=jax.tree.map(lambda x: jnp.array(x, copy=True), extra),
+      masters=masters,
+    )
     return _on_mesh(state, mesh)
 
   def update(grads, opt_state, params, finite, groups=sub_groups):
@@ -163,21 +186,41 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
     return jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_opt, opt_state)
 
   def train_step(state: TrainState, batch):
-    loss, extra, grads = _accumulated(grad_fn, state.params, batch, state.extra,
-                                      accumulation_steps, mesh, schedule.config.fold_rng_keys)
+    loss, extra, grads = _accumulated(
+      grad_fn,
+      state.params,
+      batch,
+      state.extra,
+      accumulation_steps,
+      mesh,
+      schedule.config.fold_rng_keys,
+    )
     trainable_leaves = trainable(state.params)
     grad_norm = optax.tree.norm(_select(grads, trainable_leaves))
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     masters = state.masters
     if offload_optimizer:  # each sub-group's state to the device, updated, back to the host
       masters, opt_state, params = offload_stream.streamed_update(
-          update, grads, state.opt_state, state.masters, state.params, sub_groups, finite,
-          offload.copy_dtypes(schedule), copies_kind)
+        update,
+        grads,
+        state.opt_state,
+        state.masters,
+        state.params,
+        sub_groups,
+        finite,
+        offload.copy_dtypes(schedule),
+        copies_kind,
+      )
     else:
       params, opt_state = update(grads, state.opt_state, state.params, finite)
     keep = lambda n, o: jnp.where(finite, n, o)  # noqa: E731
-    new = TrainState(keep(state.step + 1, state.step), params, opt_state,
-                     jax.tree.map(keep, extra, state.extra), masters)
+    new = TrainState(
+      keep(state.step + 1, state.step),
+      params,
+      opt_state,
+      jax.tree.map(keep, extra, state.extra),
+      masters,
+    )
     return new, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
 
   plain_jit = xla_options.jit(train_step, donate_argnums=0)
@@ -191,8 +234,9 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
     key = jax.tree.structure(state)
     if key not in offload_jits:
       shardings = jax.tree.map(lambda x: x.sharding, state)
-      offload_jits[key] = xla_options.jit(train_step, donate_argnums=0,
-                                          out_shardings=(shardings, NamedSharding(mesh, P())))
+      offload_jits[key] = xla_options.jit(
+        train_step, donate_argnums=0, out_shardings=(shardings, NamedSharding(mesh, P()))
+      )
     return offload_jits[key]
 
   skipped_in_a_row = [0]  # steps skipped since the last finite one (max_consecutive_skips)
@@ -200,15 +244,18 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
   def step(state: TrainState, batch):
     new, metrics = jitted_for(state)(state, batch)
     if on_nonfinite == "raise" and not bool(metrics["finite"]):
-      raise NonFiniteError(f"Step {int(new.step)}: the loss ({float(metrics['loss'])}) or the "
-                           f"gradient norm ({float(metrics['grad_norm'])}) is not finite; the "
-                           f"state was left unchanged (see .state).", new, metrics)
+      raise NonFiniteError(
+        f"Step {int(new.step)}: the loss ({float(metrics['loss'])}) or the "
+        f"gradient norm ({float(metrics['grad_norm'])}) is not finite; the "
+        f"state was left unchanged (see .state).",
+        new,
+        metrics,
+      )
     if max_consecutive_skips is not None:
       skipped_in_a_row[0] = 0 if bool(metrics["finite"]) else skipped_in_a_row[0] + 1
       if skipped_in_a_row[0] >= max_consecutive_skips:
         skipped_in_a_row[0] = 0
-        raise NonFiniteError(_too_many_skips(max_consecutive_skips, new, metrics), new,
-                             metrics)
+        raise NonFiniteError(_too_many_skips(max_consecutive_skips, new, metrics), new, metrics)
     return new, metrics
 
   # ahead-of-time analysis: zjax.hlo.compile_for_analysis(step.lower(state, batch))
@@ -217,8 +264,9 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
   def gather_params(state: TrainState):
     if state.masters is None:
       return layout.unshard(state.params, schedule)
-    return layout.unshard(offload.place(state.masters, _like(state.masters, leaf_shardings),
-                                        offload.DEVICE), schedule)
+    return layout.unshard(
+      offload.place(state.masters, _like(state.masters, leaf_shardings), offload.DEVICE), schedule
+    )
 
   def abstract_state(extra=None) -> TrainState:
     """The state `init` would return, as ShapeDtypeStructs carrying their shardings (for
@@ -232,24 +280,42 @@ def zero3(loss_fn: Callable, optimizer: optax.GradientTransformation, schedule, 
     opt_shardings = _opt_state_shardings(opt_state, schedule, mesh, offload_optimizer)
     masters = None
     if offload_optimizer:
-      masters = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-          x.shape, x.dtype, sharding=offload.with_kind(x.sharding, offload.HOST)), params)
-      params = jax.tree.map(lambda x, d, s: jax.ShapeDtypeStruct(x.shape, d, sharding=s),
-                            params, _like(params, offload.copy_dtypes(schedule)),
-                            _like(params, copy_shardings))
+      masters = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+          x.shape, x.dtype, sharding=offload.with_kind(x.sharding, offload.HOST)
+        ),
+        params,
+      )
+      params = jax.tree.map(
+        lambda x, d, s: jax.ShapeDtypeStruct(x.shape, d, sharding=s),
+        params,
+        _like(params, offload.copy_dtypes(schedule)),
+        _like(params, copy_shardings),
+      )
     return TrainState(
-        step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params=params,
-        opt_state=jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                               opt_state, opt_shardings),
-        extra=jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                          sharding=replicated), extra),
-        masters=masters)
+      step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+      params=params,
+      opt_state=jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), opt_state, opt_shardings
+      ),
+      extra=jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), extra
+      ),
+      masters=masters,
+    )
 
-  return Zero3(init=init, init_from=init_from, step=step, gather_params=gather_params,
-               abstract_state=abstract_state, schedule=schedule, mesh=mesh,
-               offload_plan=offload_stream.predicted(schedule, sub_groups,
-                                                     params_on_host=offload_params)
-               if offload_optimizer else None)
+  return Zero3(
+    init=init,
+    init_from=init_from,
+    step=step,
+    gather_params=gather_params,
+    abstract_state=abstract_state,
+    schedule=schedule,
+    mesh=mesh,
+    offload_plan=offload_stream.predicted(schedule, sub_groups, params_on_host=offload_params)
+    if offload_optimizer
+    else None,
+  )
 
 
 def _opt_state_shardings(opt_shapes, schedule, mesh, on_host=False):
@@ -268,7 +334,6 @@ def _opt_state_shardings(opt_shapes, schedule, mesh, on_host=False):
 def _like(tree, leaves):
   """`leaves` (one per leaf of `tree`, in order) in the structure of `tree`."""
   return jax.tree.unflatten(jax.tree.structure(tree), list(leaves))
-
 
 
 def sharded_init(init_fn: Callable, schedule, mesh) -> Callable:
@@ -296,8 +361,9 @@ def sharded_init(init_fn: Callable, schedule, mesh) -> Callable:
     """-> the storage leaves (schedule.storage order), each built after the previous."""
     closed = jax.make_jaxpr(init_fn)(*args)
     treedef = jax.tree_util.tree_structure(jax.eval_shape(init_fn, *args))
-    layout.natural_leaves(jax.tree_util.tree_unflatten(treedef, closed.out_avals), schedule,
-                          "init_fn(*args)")
+    layout.natural_leaves(
+      jax.tree_util.tree_unflatten(treedef, closed.out_avals), schedule, "init_fn(*args)"
+    )
     program = pe.convert_constvars_jaxpr(closed.jaxpr)
     inputs = list(closed.consts) + jax.tree.leaves(args)
     leaves, previous = [], None
@@ -305,8 +371,11 @@ def sharded_init(init_fn: Callable, schedule, mesh) -> Callable:
       rows = []
       for i in leaf.members:
         entry = schedule.params[i]
-        finish = (lambda x: x) if entry.persistent else (
-            lambda x, entry=entry: _laid_out(x, entry, schedule, mesh))
+        finish = (
+          (lambda x: x)
+          if entry.persistent
+          else (lambda x, entry=entry: _laid_out(x, entry, schedule, mesh))
+        )
         rows.append(_one_output(program, inputs, i, previous, finish))
         previous = rows[-1]
       leaves.append(_stacked(rows, sharding) if leaf.rolled else rows[0])
@@ -325,8 +394,9 @@ def sharded_init(init_fn: Callable, schedule, mesh) -> Callable:
     leaves = jitted(*args)(*args)
     stored = {leaf.members[0] for leaf in schedule.storage}
     heads = iter(leaves)  # the natural structure, None at rolled layers 1..L-1
-    return jax.tree_util.tree_unflatten(treedef, [next(heads) if i in stored else None
-                                                  for i in range(len(schedule.params))])
+    return jax.tree_util.tree_unflatten(
+      treedef, [next(heads) if i in stored else None for i in range(len(schedule.params))]
+    )
 
   run.lower = lambda *args: jitted(*args).lower(*args)
   return run
@@ -335,8 +405,9 @@ def sharded_init(init_fn: Callable, schedule, mesh) -> Callable:
 def _stacked(rows, sharding):
   """A rolled stack from its layers' storage rows, written one row at a time into the
   stack (in place: the stack plus one row alive, not all rows and the stack)."""
-  stack = layout.place(jnp.zeros((len(rows),) + rows[0].shape, rows[0].dtype),
-                       sharding.mesh, sharding.spec)
+  stack = layout.place(
+    jnp.zeros((len(rows),) + rows[0].shape, rows[0].dtype), sharding.mesh, sharding.spec
+  )
   for layer, row in enumerate(rows):  # (Explicit axes: the row sharded as the stack's rows)
     row = layout.place(row, sharding.mesh, P(*sharding.spec[1:]))
     stack = lax.dynamic_update_index_in_dim(stack, row, layer, 0)
@@ -351,8 +422,9 @@ def _laid_out(leaf, entry, schedule, mesh):
   (unevenly; only Auto axes allow that) keeps generation at 1/N and costs one gather."""
   n = schedule.num_devices
   if n > 1 and entry.shape and not entry.stacked and (entry.size % n or entry.shape[0] % n):
-    auto = jax.sharding.Mesh(mesh.devices, mesh.axis_names,
-                             axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+    auto = jax.sharding.Mesh(
+      mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+    )
     for spec in (P(layout.storage_axis(schedule.config)), P()):
       leaf = lax.with_sharding_constraint(leaf, jax.sharding.NamedSharding(auto, spec))
   return layout.storage_from_natural(leaf, entry, n)
@@ -417,7 +489,8 @@ def _on_mesh(tree, mesh):
   devices = set(mesh.devices.flat)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   return jax.tree.map(
-      lambda x: x if x.sharding.device_set == devices else jax.device_put(x, replicated), tree)
+    lambda x: x if x.sharding.device_set == devices else jax.device_put(x, replicated), tree
+  )
 
 
 def _call(grad_fn, params, batch, extra):
@@ -454,8 +527,9 @@ def _accumulated(grad_fn, params, batch, extra, k, mesh, fold_keys):
 
 def _split_leading(x, k, mesh):
   if x.shape[0] % k:
-    raise ZjaxError(f"A batch leaf has leading dimension {x.shape[0]}, not divisible by "
-                    f"accumulation_steps={k}.")
+    raise ZjaxError(
+      f"A batch leaf has leading dimension {x.shape[0]}, not divisible by accumulation_steps={k}."
+    )
   x = layout.place(x, mesh, jax.sharding.PartitionSpec())
   return x.reshape((k, x.shape[0] // k) + x.shape[1:])
 
@@ -466,7 +540,8 @@ def _trainable_fn(schedule):
 
   def trainable(tree):
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: trains[jax.tree_util.keystr(path)], tree)
+      lambda path, _: trains[jax.tree_util.keystr(path)], tree
+    )
 
   return trainable
 
@@ -476,38 +551,48 @@ def _select(tree, mask):
 
 
 def _check_offload(offload_optimizer, offload_params):
-  for name, value in (("offload_optimizer", offload_optimizer),
-                      ("offload_params", offload_params)):
+  for name, value in (("offload_optimizer", offload_optimizer), ("offload_params", offload_params)):
     if not isinstance(value, bool):
       raise ValueError(f"{name} must be True or False, got {value!r}.")
   if offload_params and not offload_optimizer:
-    raise ValueError("offload_params=True needs offload_optimizer=True: the parameter copies "
-                     "are made from the fp32 masters that optimizer offload keeps on the host "
-                     "(DeepSpeed's ZeRO-Infinity offloads both). Pass offload_optimizer=True "
-                     "as well, or offload_params=False.")
+    raise ValueError(
+      "offload_params=True needs offload_optimizer=True: the parameter copies "
+      "are made from the fp32 masters that optimizer offload keeps on the host "
+      "(DeepSpeed's ZeRO-Infinity offloads both). Pass offload_optimizer=True "
+      "as well, or offload_params=False."
+    )
 
 
 def _too_many_skips(count, state, metrics) -> str:
-  return (f"{count} steps in a row had a non-finite loss or gradient norm and were skipped "
-          f"(the last: loss {float(metrics['loss'])}, gradient norm "
-          f"{float(metrics['grad_norm'])}); the state is still that of optimizer step "
-          f"{int(state.step)} (see .state). Check the learning rate (lower it, or warm up "
-          f"longer), the inputs (inf or NaN in the batch), bf16 overflow (compute_dtype) and "
-          f"gradient clipping; max_consecutive_skips sets how many skips in a row are "
-          f"tolerated.")
+  return (
+    f"{count} steps in a row had a non-finite loss or gradient norm and were skipped "
+    f"(the last: loss {float(metrics['loss'])}, gradient norm "
+    f"{float(metrics['grad_norm'])}); the state is still that of optimizer step "
+    f"{int(state.step)} (see .state). Check the learning rate (lower it, or warm up "
+    f"longer), the inputs (inf or NaN in the batch), bf16 overflow (compute_dtype) and "
+    f"gradient clipping; max_consecutive_skips sets how many skips in a row are "
+    f"tolerated."
+  )
 
 
 def _check_args(optimizer, accumulation_steps, on_nonfinite, max_consecutive_skips=None):
   if not isinstance(optimizer, optax.GradientTransformation):
-    raise TypeError(f"optimizer must be an optax.GradientTransformation, got "
-                    f"{type(optimizer).__name__}.")
-  if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) \
-      or accumulation_steps < 1:
+    raise TypeError(
+      f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}."
+    )
+  if (
+    isinstance(accumulation_steps, bool)
+    or not isinstance(accumulation_steps, int)
+    or accumulation_steps < 1
+  ):
     raise ValueError(f"accumulation_steps must be a positive int, got {accumulation_steps!r}.")
   if on_nonfinite not in ("skip", "raise"):
     raise ValueError(f"on_nonfinite must be 'skip' or 'raise', got {on_nonfinite!r}.")
   if max_consecutive_skips is not None and (
-      isinstance(max_consecutive_skips, bool) or not isinstance(max_consecutive_skips, int)
-      or max_consecutive_skips < 1):
-    raise ValueError(f"max_consecutive_skips must be a positive int or None, got "
-                     f"{max_consecutive_skips!r}.")
+    isinstance(max_consecutive_skips, bool)
+    or not isinstance(max_consecutive_skips, int)
+    or max_consecutive_skips < 1
+  ):
+    raise ValueError(
+      f"max_consecutive_skips must be a positive int or None, got {max_consecutive_skips!r}."
+    )

@@ -38,9 +38,11 @@ import jax
 BARRIER_PASS = "cse_barrier_expander"
 GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
 # A threshold of 0 bytes turns a combiner off (XLA skips the pass).
-GPU_OPTIONS = {"xla_gpu_all_gather_combine_threshold_bytes": 0,
-               "xla_gpu_reduce_scatter_combine_threshold_bytes": 0,
-               "xla_gpu_all_reduce_combine_threshold_bytes": 0}
+GPU_OPTIONS = {
+  "xla_gpu_all_gather_combine_threshold_bytes": 0,
+  "xla_gpu_reduce_scatter_combine_threshold_bytes": 0,
+  "xla_gpu_all_reduce_combine_threshold_bytes": 0,
+}
 _PASSES_FLAG = re.compile(r"--xla_disable_hlo_passes[= ]([^\s]*)")
 _warned = False
 
@@ -64,8 +66,7 @@ def execution_options(platform: str | None = None) -> dict:
   if BARRIER_PASS not in passes:
     return options
   _warn_once()
-  return {**options,
-          "xla_disable_hlo_passes": ",".join(p for p in passes if p != BARRIER_PASS)}
+  return {**options, "xla_disable_hlo_passes": ",".join(p for p in passes if p != BARRIER_PASS)}
 
 
 def jit(fn, **kwargs):
@@ -113,8 +114,10 @@ def analysis_options(platform: str) -> dict:
     return dict(GPU_OPTIONS)
   if platform != "cpu":
     return {}
-  return {"xla_disable_hlo_passes": BARRIER_PASS,
-          "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+  return {
+    "xla_disable_hlo_passes": BARRIER_PASS,
+    "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
+  }
 
 
 def _warn_once():
@@ -122,9 +125,11 @@ def _warn_once():
   if not _warned:
     _warned = True
     warnings.warn(
-        f"XLA_FLAGS disables {BARRIER_PASS} (--xla_disable_hlo_passes), which keeps "
-        f"optimization barriers in every program of this process. XLA's CPU runtime then "
-        f"can run two collectives of a device at once (NaN, rendezvous aborts under load), "
-        f"so zjax compiles the programs it runs with that pass on. Remove the flag: "
-        f"zjax.hlo.compile_for_analysis keeps barriers for analysis, per compile.",
-        RuntimeWarning, stacklevel=3)
+      f"XLA_FLAGS disables {BARRIER_PASS} (--xla_disable_hlo_passes), which keeps "
+      f"optimization barriers in every program of this process. XLA's CPU runtime then "
+      f"can run two collectives of a device at once (NaN, rendezvous aborts under load), "
+      f"so zjax compiles the programs it runs with that pass on. Remove the flag: "
+      f"zjax.hlo.compile_for_analysis keeps barriers for analysis, per compile.",
+      RuntimeWarning,
+      stacklevel=3,
+    )

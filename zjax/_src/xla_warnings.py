@@ -23,9 +23,13 @@ class Held:
     self.count = 0
 
   def summary(self, what: str = "compiling the GSPMD baselines") -> str:
-    return (f"XLA's SPMD partitioner warned {self.count} times while {what} "
-            f"(involuntary full rematerialization: the baseline reshards whole tensors); "
-            f"not shown" if self.count else "")
+    return (
+      f"XLA's SPMD partitioner warned {self.count} times while {what} "
+      f"(involuntary full rematerialization: the baseline reshards whole tensors); "
+      f"not shown"
+      if self.count
+      else ""
+    )
 
 
 @contextlib.contextmanager

@@ -40,17 +40,26 @@ def bench_gpt(tiny: bool, tensor: bool = False) -> Model:
   the bench's knobs; `tensor`: annotated with logical axes (vocab padded for T = 2)."""
   import zjax
   from zjax.models import gpt
+
   layers, d, batch, seq = (2, 32, 8, 16) if tiny else (8, 128, 16, 64)
-  cfg = gpt.GPTConfig(n_layer=layers, d_model=d, d_ff=4 * d, seq_len=seq,
-                      logical_axes=tensor, vocab_multiple=TENSOR if tensor else 1)
+  cfg = gpt.GPTConfig(
+    n_layer=layers,
+    d_model=d,
+    d_ff=4 * d,
+    seq_len=seq,
+    logical_axes=tensor,
+    vocab_multiple=TENSOR if tensor else 1,
+  )
   loss_fn, params, batch_shapes = gpt.abstract_setup(cfg, batch)
-  block = 4 * d ** 2 + 2 * d * 4 * d
+  block = 4 * d**2 + 2 * d * 4 * d
   # tiny: a lower persistence threshold, so that its small blocks are gathered too
-  config = zjax.ZeroConfig(prefetch_bucket_size=block,
-                           param_persistence_threshold=64 if tiny else 4096)
+  config = zjax.ZeroConfig(
+    prefetch_bucket_size=block, param_persistence_threshold=64 if tiny else 4096
+  )
   plan = {"logical_axis_rules": gpt.LOGICAL_AXIS_RULES} if tensor else {}
-  return Model("gpt" + ("_tp" if tensor else ""), loss_fn, params, batch_shapes, config,
-               loss_fn, plan)
+  return Model(
+    "gpt" + ("_tp" if tensor else ""), loss_fn, params, batch_shapes, config, loss_fn, plan
+  )
 
 
 def llama(tiny: bool, tensor: bool = False) -> Model:
@@ -61,20 +70,31 @@ def llama(tiny: bool, tensor: bool = False) -> Model:
 
   import zjax
   from zjax.models import llama as lm
+
   cfg = lm.LLAMA_TINY if tiny else lm.LLAMA_1B
   loss_fn = lm.make_loss_fn(cfg)
   plan = {}
   if tensor:
-    plan = {"tensor_specs": [(r"/(wq|wk|wv|w_gate|w_up)$", P(None, "tensor")),
-                             (r"/(wo|w_down)$", P("tensor", None)),
-                             (r"^embed$", P("tensor", None)), (r"^head$", P(None, "tensor"))]}
+    plan = {
+      "tensor_specs": [
+        (r"/(wq|wk|wv|w_gate|w_up)$", P(None, "tensor")),
+        (r"/(wo|w_down)$", P("tensor", None)),
+        (r"^embed$", P("tensor", None)),
+        (r"^head$", P(None, "tensor")),
+      ]
+    }
   config = zjax.ZeroConfig(compute_dtype=jnp.bfloat16)  # DeepSpeed's defaults otherwise
   if tiny:
-    config = dataclasses.replace(config, prefetch_bucket_size=2000,
-                                 param_persistence_threshold=64)
-  return Model("llama" + ("_tp" if tensor else ""), loss_fn, lm.param_shapes(cfg),
-               lm.batch_shapes(cfg, DEVICES), config,
-               lambda p, b: loss_fn(lm.cast_params(p, jnp.bfloat16), b), plan)
+    config = dataclasses.replace(config, prefetch_bucket_size=2000, param_persistence_threshold=64)
+  return Model(
+    "llama" + ("_tp" if tensor else ""),
+    loss_fn,
+    lm.param_shapes(cfg),
+    lm.batch_shapes(cfg, DEVICES),
+    config,
+    lambda p, b: loss_fn(lm.cast_params(p, jnp.bfloat16), b),
+    plan,
+  )
 
 
 def items(tiny: bool) -> list[tuple[str, Callable[[], dict]]]:
@@ -91,27 +111,38 @@ def items(tiny: bool) -> list[tuple[str, Callable[[], dict]]]:
         config = dataclasses.replace(config, roll_layers=roll)
         out.append((name, lambda m=model, c=config: measure_zjax(m, c, layout="flat")))
     out.append((f"{model.name}_gspmd_fsdp", lambda m=model: measure_gspmd(m)))
-  for model, tp in ((gpt_model, bench_gpt(tiny, tensor=True)),
-                    (llama_model, llama(tiny, tensor=True))):
-    out.append((f"{model.name}_rolled_default_hsdp",
-                lambda m=model: measure_zjax(m, m.config, layout="hsdp")))
-    out.append((f"{model.name}_rolled_default_tp",
-                lambda m=tp: measure_zjax(m, m.config, layout="tp")))
+  for model, tp in (
+    (gpt_model, bench_gpt(tiny, tensor=True)),
+    (llama_model, llama(tiny, tensor=True)),
+  ):
+    out.append(
+      (
+        f"{model.name}_rolled_default_hsdp",
+        lambda m=model: measure_zjax(m, m.config, layout="hsdp"),
+      )
+    )
+    out.append(
+      (f"{model.name}_rolled_default_tp", lambda m=tp: measure_zjax(m, m.config, layout="tp"))
+    )
   return out
 
 
 # ---- meshes ---------------------------------------------------------------------------------
 
+
 def mesh_for(devices, layout: str):
   import jax
+
   auto = jax.sharding.AxisType.Auto
   if layout == "flat":
     return jax.make_mesh((DEVICES,), ("fsdp",), devices=devices, axis_types=(auto,))
   if layout == "hsdp":
-    return jax.make_mesh((2, DEVICES // 2), ("replica", "fsdp"), devices=devices,
-                         axis_types=(auto, auto))
-  return jax.make_mesh((DEVICES // TENSOR, TENSOR), ("fsdp", "tensor"), devices=devices,
-                       axis_types=(auto, auto))
+    return jax.make_mesh(
+      (2, DEVICES // 2), ("replica", "fsdp"), devices=devices, axis_types=(auto, auto)
+    )
+  return jax.make_mesh(
+    (DEVICES // TENSOR, TENSOR), ("fsdp", "tensor"), devices=devices, axis_types=(auto, auto)
+  )
 
 
 def layout_config(config, layout: str):
@@ -128,28 +159,38 @@ def data_axes(mesh) -> tuple:
 
 def sharded_batch(batch, mesh):
   import jax
-  from jax.sharding import NamedSharding, PartitionSpec as P
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      x.shape, x.dtype, sharding=NamedSharding(mesh, P(data_axes(mesh)))), batch)
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  return jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=NamedSharding(mesh, P(data_axes(mesh)))
+    ),
+    batch,
+  )
 
 
 # ---- zjax -----------------------------------------------------------------------------------
+
 
 def zjax_lowered(model: Model, config, mesh):
   """(schedule, lowered training step: adamw, abstract state, nothing allocated)."""
   import optax
 
   import zjax
-  schedule = zjax.compile_schedule(model.loss_fn, model.params, model.batch, mesh=mesh,
-                                   config=config, **model.plan)
+
+  schedule = zjax.compile_schedule(
+    model.loss_fn, model.params, model.batch, mesh=mesh, config=config, **model.plan
+  )
   trainer = zjax.zero3(model.loss_fn, optax.adamw(1e-3), schedule, mesh=mesh)
-  return schedule, trainer.step.lower(trainer.abstract_state(),
-                                      sharded_batch(model.batch, mesh))
+  return schedule, trainer.step.lower(trainer.abstract_state(), sharded_batch(model.batch, mesh))
 
 
 def measure_zjax(model: Model, config, layout: str) -> dict:
   import jax
+
   from zjax import hlo
+
   config = layout_config(config, layout)
   target = jax.devices()[:DEVICES]
   mesh = mesh_for(target, layout)
@@ -161,38 +202,54 @@ def measure_zjax(model: Model, config, layout: str) -> dict:
   compiled = time.perf_counter()
   gpu_record.progress("compiled", seconds=compiled - planned)
   text = program.as_text()
-  row = {"platform": target[0].platform, "mesh": dict(mesh.shape),
-         "plan_seconds": planned - start, "compile_seconds": compiled - planned,
-         **memory(program), **report_vs_program(schedule, text, dict(mesh.shape)),
-         "barriers_lowered": hlo.barrier_count(lowered.as_text()),
-         "barriers_compiled": hlo.barrier_count(text), **overlap(text)}
+  row = {
+    "platform": target[0].platform,
+    "mesh": dict(mesh.shape),
+    "plan_seconds": planned - start,
+    "compile_seconds": compiled - planned,
+    **memory(program),
+    **report_vs_program(schedule, text, dict(mesh.shape)),
+    "barriers_lowered": hlo.barrier_count(lowered.as_text()),
+    "barriers_compiled": hlo.barrier_count(text),
+    **overlap(text),
+  }
   gpu_record.save_text("program", text)
   if target[0].platform != "cpu":  # the stand-in: the same step, CPU analysis compile
     cpu_mesh = mesh_for(jax.devices("cpu")[:DEVICES], layout)
     cpu_schedule, cpu_lowered = zjax_lowered(model, config, cpu_mesh)
     cpu = hlo.compile_for_analysis(cpu_lowered)
     cpu_text = cpu.as_text()
-    row["cpu_analysis"] = {**memory(cpu), **report_vs_program(cpu_schedule, cpu_text,
-                                                              dict(cpu_mesh.shape))}
+    row["cpu_analysis"] = {
+      **memory(cpu),
+      **report_vs_program(cpu_schedule, cpu_text, dict(cpu_mesh.shape)),
+    }
     row["temp_vs_cpu_analysis"] = row["temp_bytes"] / max(row["cpu_analysis"]["temp_bytes"], 1)
   return row
 
 
 def memory(program) -> dict:
   m = program.memory_analysis()
-  return {"temp_bytes": int(m.temp_size_in_bytes),
-          "argument_bytes": int(m.argument_size_in_bytes),
-          "output_bytes": int(m.output_size_in_bytes),
-          "alias_bytes": int(m.alias_size_in_bytes)}
+  return {
+    "temp_bytes": int(m.temp_size_in_bytes),
+    "argument_bytes": int(m.argument_size_in_bytes),
+    "output_bytes": int(m.output_size_in_bytes),
+    "alias_bytes": int(m.alias_size_in_bytes),
+  }
 
 
 def report_vs_program(schedule, text: str, mesh_shape: dict) -> dict:
   """The program's all-gathers and reduce-scatters over the data axes (count and bytes as
   executed) beside the report's, and every collective's bytes per axis."""
   from zjax import hlo
+
   report = schedule.report()
-  program = {"all_gather": [0, 0], "reduce_scatter": [0, 0], "all_reduce": [0, 0],
-             "all_to_all": [0, 0], "collective_permute": [0, 0]}
+  program = {
+    "all_gather": [0, 0],
+    "reduce_scatter": [0, 0],
+    "all_reduce": [0, 0],
+    "all_to_all": [0, 0],
+    "collective_permute": [0, 0],
+  }
   by_axis: dict = {}
   for c, times in hlo.executions(text, unknown_trips_once=True):
     axes = hlo.axes_of_groups(c.groups, mesh_shape)
@@ -205,11 +262,17 @@ def report_vs_program(schedule, text: str, mesh_shape: dict) -> dict:
   out = {"bytes_by_axis": by_axis}
   for kind in ("all_gather", "reduce_scatter"):
     predicted = [report[f"{kind}_count"], report[f"{kind}_bytes"]]
-    out[kind] = {"program_count": program[kind][0], "program_bytes": program[kind][1],
-                 "report_count": predicted[0], "report_bytes": predicted[1],
-                 "equal": program[kind] == predicted}
-  out["all_reduce_data_axes"] = {"program_count": program["all_reduce"][0],
-                                 "program_bytes": program["all_reduce"][1]}
+    out[kind] = {
+      "program_count": program[kind][0],
+      "program_bytes": program[kind][1],
+      "report_count": predicted[0],
+      "report_bytes": predicted[1],
+      "equal": program[kind] == predicted,
+    }
+  out["all_reduce_data_axes"] = {
+    "program_count": program["all_reduce"][0],
+    "program_bytes": program["all_reduce"][1],
+  }
   out["report_equal"] = all(out[k]["equal"] for k in ("all_gather", "reduce_scatter"))
   return out
 
@@ -218,21 +281,26 @@ def overlap(text: str) -> dict:
   """zjax's gathers as scheduled: asynchronous ones, and those with compute between their
   start and done (executed counts: a loop body's once per iteration)."""
   from zjax import hlo
+
   times = hlo.multiplicities(text)
   pairs = hlo.async_collectives(text)
   count = lambda pred: sum(times.get(a.computation) or 1 for a in pairs if pred(a))  # noqa
-  sync = sum(t for c, t in hlo.executions(text, unknown_trips_once=True)
-             if c.kind == "all_gather") - count(lambda a: a.kind == "all_gather")
-  return {"all_gather_async": count(lambda a: a.kind == "all_gather"),
-          "all_gather_overlapped": count(lambda a: a.kind == "all_gather" and
-                                         a.compute_between > 0),
-          "all_gather_sync": sync,
-          "reduce_scatter_async": count(lambda a: a.kind == "reduce_scatter"),
-          "reduce_scatter_overlapped": count(lambda a: a.kind == "reduce_scatter" and
-                                             a.compute_between > 0)}
+  sync = sum(
+    t for c, t in hlo.executions(text, unknown_trips_once=True) if c.kind == "all_gather"
+  ) - count(lambda a: a.kind == "all_gather")
+  return {
+    "all_gather_async": count(lambda a: a.kind == "all_gather"),
+    "all_gather_overlapped": count(lambda a: a.kind == "all_gather" and a.compute_between > 0),
+    "all_gather_sync": sync,
+    "reduce_scatter_async": count(lambda a: a.kind == "reduce_scatter"),
+    "reduce_scatter_overlapped": count(
+      lambda a: a.kind == "reduce_scatter" and a.compute_between > 0
+    ),
+  }
 
 
 # ---- GSPMD FSDP -----------------------------------------------------------------------------
+
 
 def measure_gspmd(model: Model) -> dict:
   """JAX's FSDP by sharding annotations: every parameter and its adam moments split along
@@ -240,18 +308,26 @@ def measure_gspmd(model: Model) -> dict:
   import jax
   import optax
   from flax import linen as nn
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
 
   from zjax import hlo
   from zjax._src import layout
+
   target = jax.devices()[:DEVICES]
   mesh = mesh_for(target, "flat")
   optimizer = optax.adamw(1e-3)
   params = nn.unbox(model.params)
-  spec = lambda x: NamedSharding(mesh, layout.largest_dim_spec(x.shape, DEVICES, "fsdp") if  # noqa
-                                 x.ndim else P())
+  spec = lambda x: NamedSharding(
+    mesh,
+    layout.largest_dim_spec(x.shape, DEVICES, "fsdp")
+    # noqa
+    if x.ndim
+    else P(),
+  )
   place = lambda tree: jax.tree.map(  # noqa: E731
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=spec(x)), tree)
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=spec(x)), tree
+  )
   params = place(params)
   opt_state = place(jax.eval_shape(optimizer.init, params))
 
@@ -261,25 +337,35 @@ def measure_gspmd(model: Model) -> dict:
     return optax.apply_updates(params, updates), opt_state, loss
 
   shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
-  step = jax.jit(train_step, out_shardings=(*shardings, NamedSharding(mesh, P())),
-                 donate_argnums=(0, 1))
+  step = jax.jit(
+    train_step, out_shardings=(*shardings, NamedSharding(mesh, P())), donate_argnums=(0, 1)
+  )
   start = time.perf_counter()
   program = step.lower(params, opt_state, sharded_batch(model.batch, mesh)).compile()
   text = program.as_text()
   gpu_record.save_text("program", text)
   executed = hlo.executed(text) if text else {}
-  return {"platform": target[0].platform, "compile_seconds": time.perf_counter() - start,
-          **memory(program), **{k: v for k, v in executed.items()
-                                if k.startswith(("all_gather", "reduce_scatter",
-                                                 "all_reduce"))}, **overlap(text)}
+  return {
+    "platform": target[0].platform,
+    "compile_seconds": time.perf_counter() - start,
+    **memory(program),
+    **{
+      k: v
+      for k, v in executed.items()
+      if k.startswith(("all_gather", "reduce_scatter", "all_reduce"))
+    },
+    **overlap(text),
+  }
 
 
 # ---- entry ----------------------------------------------------------------------------------
+
 
 def start_backend(tiny: bool, topology: str | None) -> dict:
   """Configure JAX before it starts: 8 CPU devices (the stand-in's, or tiny's target), and
   unless tiny the mocked 8-GPU topology. Raises if the GPU client does not give 8 devices."""
   import jax
+
   jax.config.update("jax_num_cpu_devices", DEVICES)
   if tiny:
     jax.config.update("jax_platforms", "cpu")
@@ -287,11 +373,17 @@ def start_backend(tiny: bool, topology: str | None) -> dict:
     jax.config.update("jax_mock_gpu_topology", topology)
   devices = jax.devices()
   if not tiny and (devices[0].platform != "gpu" or len(devices) < DEVICES):
-    raise RuntimeError(f"mock topology {topology}: {len(devices)} {devices[0].platform} "
-                       f"devices, not {DEVICES} GPUs")
-  return {"topology": None if tiny else topology, "devices": len(devices),
-          "platform": devices[0].platform, "device_kind": devices[0].device_kind,
-          "addressable": len(jax.local_devices()), "processes": jax.process_count()}
+    raise RuntimeError(
+      f"mock topology {topology}: {len(devices)} {devices[0].platform} devices, not {DEVICES} GPUs"
+    )
+  return {
+    "topology": None if tiny else topology,
+    "devices": len(devices),
+    "platform": devices[0].platform,
+    "device_kind": devices[0].device_kind,
+    "addressable": len(jax.local_devices()),
+    "processes": jax.process_count(),
+  }
 
 
 def main(argv=None) -> int:
@@ -299,11 +391,16 @@ def main(argv=None) -> int:
   p.add_argument("--out", required=True)
   p.add_argument("--tiny", action="store_true")
   p.add_argument("--topology", default=TOPOLOGIES[0])
-  p.add_argument("--deadline", type=float, default=1e9, help="seconds; items that would "
-                 "start later than this minus --reserve are skipped")
+  p.add_argument(
+    "--deadline",
+    type=float,
+    default=1e9,
+    help="seconds; items that would start later than this minus --reserve are skipped",
+  )
   p.add_argument("--reserve", type=float, default=10.0)
-  p.add_argument("--mock-run", action="store_true", help="only try to run a collective "
-                 "under the mock topology")
+  p.add_argument(
+    "--mock-run", action="store_true", help="only try to run a collective under the mock topology"
+  )
   args = p.parse_args(argv)
   record = gpu_record.PartRecord(args.out, "mock_run" if args.mock_run else "compile")
   try:
@@ -327,19 +424,26 @@ def main(argv=None) -> int:
 def try_mock_run() -> dict:
   """Run a psum over the 8 mocked devices from this process (which addresses some of them)."""
   import jax
-  import jax.numpy as jnp
   import numpy as np
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
   mesh = mesh_for(jax.devices()[:DEVICES], "flat")
   sharding = NamedSharding(mesh, P("fsdp"))
-  x = jax.make_array_from_callback((DEVICES, 4), sharding,
-                                   lambda idx: np.ones((1, 4), np.float32))
-  f = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "fsdp"), mesh=mesh, in_specs=P("fsdp"),
-                            out_specs=P("fsdp")))
+  x = jax.make_array_from_callback((DEVICES, 4), sharding, lambda idx: np.ones((1, 4), np.float32))
+  f = jax.jit(
+    jax.shard_map(
+      lambda a: jax.lax.psum(a, "fsdp"), mesh=mesh, in_specs=P("fsdp"), out_specs=P("fsdp")
+    )
+  )
   out = f(x)
   local = [np.asarray(s.data).tolist() for s in out.addressable_shards]
-  return {"ran": True, "local_result": local, "expected_if_real": float(DEVICES),
-          "note": "mock NCCL moves no data: a result other than 8 shows that"}
+  return {
+    "ran": True,
+    "local_result": local,
+    "expected_if_real": float(DEVICES),
+    "note": "mock NCCL moves no data: a result other than 8 shows that",
+  }
 
 
 if __name__ == "__main__":

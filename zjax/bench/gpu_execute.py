@@ -32,9 +32,11 @@ SUB_GROUP = int(1e8)
 
 def _setup(tiny: bool):
   import jax
+
   if tiny:
     jax.config.update("jax_platforms", "cpu")
   from zjax.models import llama as lm
+
   cfg = lm.LLAMA_TINY if tiny else lm.LLAMA_1B
   return jax, lm, cfg, (TINY_BATCH if tiny else BATCH)
 
@@ -42,6 +44,7 @@ def _setup(tiny: bool):
 def _timed(step, state, batch, steps: int):
   """(state, per-step seconds, losses): two warm-up steps, then `steps` each waited for."""
   import jax
+
   losses, times = [], []
   for i in range(2 + steps):
     start = time.perf_counter()
@@ -58,10 +61,16 @@ def _summary(lm, cfg, batch_size, times, losses, device) -> dict:
   tokens = batch_size * cfg.seq_len
   median = statistics.median(times)
   flops = lm.train_flops_per_token(cfg) * tokens
-  out = {"params": lm.param_count(cfg), "tokens_per_step": tokens, "step_seconds": median,
-         "step_seconds_min": min(times), "step_seconds_max": max(times),
-         "tokens_per_second": tokens / median, "model_flops_per_step": flops,
-         "losses": losses}
+  out = {
+    "params": lm.param_count(cfg),
+    "tokens_per_step": tokens,
+    "step_seconds": median,
+    "step_seconds_min": min(times),
+    "step_seconds_max": max(times),
+    "tokens_per_second": tokens / median,
+    "model_flops_per_step": flops,
+    "losses": losses,
+  }
   if device.platform == "gpu":
     out["mfu"] = flops / median / PEAK_BF16_FLOPS
   stats = device.memory_stats()
@@ -76,9 +85,15 @@ def _summary(lm, cfg, batch_size, times, losses, device) -> dict:
 def _memory(compiled) -> dict:
   m = compiled.memory_analysis()
   out = {}
-  for key in ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
-              "alias_size_in_bytes", "host_temp_size_in_bytes", "host_argument_size_in_bytes",
-              "host_output_size_in_bytes"):
+  for key in (
+    "temp_size_in_bytes",
+    "argument_size_in_bytes",
+    "output_size_in_bytes",
+    "alias_size_in_bytes",
+    "host_temp_size_in_bytes",
+    "host_argument_size_in_bytes",
+    "host_output_size_in_bytes",
+  ):
     if hasattr(m, key):
       out["compiled_" + key.replace("_size_in", "")] = int(getattr(m, key))
   return out
@@ -89,26 +104,35 @@ def run_zjax(tiny: bool, offload: str | None = None) -> dict:
   jax, lm, cfg, batch_size = _setup(tiny)
   import jax.numpy as jnp
   import optax
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
 
   import zjax
+
   device = jax.devices()[0]
-  mesh = jax.make_mesh((1,), ("fsdp",), devices=[device],
-                       axis_types=(jax.sharding.AxisType.Auto,))
-  config = zjax.ZeroConfig(compute_dtype=jnp.bfloat16,
-                           sub_group_size=SUB_GROUP if not tiny else 2000)
+  mesh = jax.make_mesh((1,), ("fsdp",), devices=[device], axis_types=(jax.sharding.AxisType.Auto,))
+  config = zjax.ZeroConfig(
+    compute_dtype=jnp.bfloat16, sub_group_size=SUB_GROUP if not tiny else 2000
+  )
   loss_fn = lm.make_loss_fn(cfg)
   start = time.perf_counter()
-  schedule = zjax.compile_schedule(loss_fn, lm.param_shapes(cfg), lm.batch_shapes(
-      cfg, batch_size), mesh=mesh, config=config)
-  trainer = zjax.zero3(loss_fn, optax.adamw(1e-4), schedule, mesh=mesh,
-                       offload_optimizer=offload is not None,
-                       offload_params=offload == "params")
+  schedule = zjax.compile_schedule(
+    loss_fn, lm.param_shapes(cfg), lm.batch_shapes(cfg, batch_size), mesh=mesh, config=config
+  )
+  trainer = zjax.zero3(
+    loss_fn,
+    optax.adamw(1e-4),
+    schedule,
+    mesh=mesh,
+    offload_optimizer=offload is not None,
+    offload_params=offload == "params",
+  )
   planned = time.perf_counter()
   gpu_record.progress("planned", seconds=planned - start)
   state = trainer.init(lm.host_params(cfg))  # numpy: straight to the shards, nothing compiled
-  batch = jax.device_put(lm.random_batch(cfg, batch_size, jax.random.key(1)),
-                         NamedSharding(mesh, P("fsdp")))
+  batch = jax.device_put(
+    lm.random_batch(cfg, batch_size, jax.random.key(1)), NamedSharding(mesh, P("fsdp"))
+  )
   jax.block_until_ready(state)
   initialised = time.perf_counter()
   gpu_record.progress("initialised", seconds=initialised - planned)
@@ -121,17 +145,22 @@ def run_zjax(tiny: bool, offload: str | None = None) -> dict:
     return state, metrics["loss"]
 
   state, times, losses = _timed(step, state, batch, TINY_STEPS if tiny else STEPS)
-  out = {"method": "zjax" if offload is None else f"zjax, offload {offload}",
-         "plan_seconds": planned - start, "init_seconds": initialised - planned,
-         "compile_seconds": compiled_at - initialised, **_memory(compiled),
-         **_summary(lm, cfg, batch_size, times, losses, device)}
+  out = {
+    "method": "zjax" if offload is None else f"zjax, offload {offload}",
+    "plan_seconds": planned - start,
+    "init_seconds": initialised - planned,
+    "compile_seconds": compiled_at - initialised,
+    **_memory(compiled),
+    **_summary(lm, cfg, batch_size, times, losses, device),
+  }
   if trainer.offload_plan is not None:
     plan = trainer.offload_plan
     out["offload_plan"] = dict(plan)
     batch_bytes = sum(x.nbytes for x in jax.tree.leaves(batch))
     # the device between steps (copies, batch) plus the step's own temp, as compiled
-    out["predicted_peak_device_bytes"] = (plan["device_bytes"] + batch_bytes +
-                                          out.get("compiled_temp_bytes", 0))
+    out["predicted_peak_device_bytes"] = (
+      plan["device_bytes"] + batch_bytes + out.get("compiled_temp_bytes", 0)
+    )
   return out
 
 
@@ -141,6 +170,7 @@ def run_plain(tiny: bool) -> dict:
   jax, lm, cfg, batch_size = _setup(tiny)
   import jax.numpy as jnp
   import optax
+
   device = jax.devices()[0]
   loss_fn = lm.make_loss_fn(cfg)
   optimizer = optax.adamw(1e-4)
@@ -154,8 +184,9 @@ def run_plain(tiny: bool) -> dict:
 
   def train_step(carry, batch):
     params, opt_state = carry
-    loss, grads = jax.value_and_grad(
-        lambda p, b: loss_fn(lm.cast_params(p, jnp.bfloat16), b))(params, batch)
+    loss, grads = jax.value_and_grad(lambda p, b: loss_fn(lm.cast_params(p, jnp.bfloat16), b))(
+      params, batch
+    )
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return (optax.apply_updates(params, updates), opt_state), loss
 
@@ -163,17 +194,24 @@ def run_plain(tiny: bool) -> dict:
   compiled_at = time.perf_counter()
   gpu_record.progress("compiled", seconds=compiled_at - initialised)
   _, times, losses = _timed(compiled, (params, opt_state), batch, TINY_STEPS if tiny else STEPS)
-  return {"method": "jax.jit(value_and_grad) + optax", "init_seconds": initialised - start,
-          "compile_seconds": compiled_at - initialised, **_memory(compiled),
-          **_summary(lm, cfg, batch_size, times, losses, device)}
+  return {
+    "method": "jax.jit(value_and_grad) + optax",
+    "init_seconds": initialised - start,
+    "compile_seconds": compiled_at - initialised,
+    **_memory(compiled),
+    **_summary(lm, cfg, batch_size, times, losses, device),
+  }
 
 
 def run_budget(tiny: bool) -> dict:
   """Under the budget the suite set: optimizer offload first (its peak is this process's
   until then), then the step without offload, which should not fit."""
-  out = {"offload_optimizer": _attempt(lambda: run_zjax(tiny, "optimizer")),
-         "no_offload": _attempt(lambda: run_zjax(tiny, None))}
+  out = {
+    "offload_optimizer": _attempt(lambda: run_zjax(tiny, "optimizer")),
+    "no_offload": _attempt(lambda: run_zjax(tiny, None)),
+  }
   import jax
+
   stats = jax.devices()[0].memory_stats() or {}
   out["device_bytes_limit"] = int(stats.get("bytes_limit", 0))
   return out
@@ -184,17 +222,23 @@ def _attempt(run) -> dict:
     return {"fits": True, **run()}
   except Exception as e:  # noqa: BLE001 (an out-of-memory error is the expected answer)
     import gc
+
     gc.collect()
     text = str(e)
-    return {"fits": False, "out_of_memory": "RESOURCE_EXHAUSTED" in text or
-            "out of memory" in text.lower(), "error": f"{type(e).__name__}: {text[:1500]}"}
+    return {
+      "fits": False,
+      "out_of_memory": "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower(),
+      "error": f"{type(e).__name__}: {text[:1500]}",
+    }
 
 
-METHODS = {"zjax": ("single_zjax", lambda tiny: run_zjax(tiny)),
-           "plain": ("single_plain", run_plain),
-           "offload_optimizer": ("offload_optimizer", lambda tiny: run_zjax(tiny, "optimizer")),
-           "offload_params": ("offload_params", lambda tiny: run_zjax(tiny, "params")),
-           "budget": ("offload_budget", run_budget)}
+METHODS = {
+  "zjax": ("single_zjax", lambda tiny: run_zjax(tiny)),
+  "plain": ("single_plain", run_plain),
+  "offload_optimizer": ("offload_optimizer", lambda tiny: run_zjax(tiny, "optimizer")),
+  "offload_params": ("offload_params", lambda tiny: run_zjax(tiny, "params")),
+  "budget": ("offload_budget", run_budget),
+}
 
 
 def main(argv=None) -> int:

@@ -35,8 +35,11 @@ class PartRecord:
     try:
       result = {"status": "ok", **measure()}
     except Exception as e:  # noqa: BLE001 (recorded: one failing item must not end the part)
-      result = {"status": "error", "error": f"{type(e).__name__}: {str(e)[:2000]}",
-                "traceback": traceback.format_exc(limit=-6)[-4000:]}
+      result = {
+        "status": "error",
+        "error": f"{type(e).__name__}: {str(e)[:2000]}",
+        "traceback": traceback.format_exc(limit=-6)[-4000:],
+      }
     result["seconds"] = time.perf_counter() - start
     self.data["items"][name] = result
     self.data["progress"].pop(name, None)
@@ -68,8 +71,10 @@ def progress(stage: str, **values) -> None:
   record, item = _current["record"], _current["item"]
   if record is None or item is None:
     return
-  record.data["progress"][item][stage] = {"at_seconds": time.time() - record.data["started"],
-                                          **values}
+  record.data["progress"][item][stage] = {
+    "at_seconds": time.time() - record.data["started"],
+    **values,
+  }
   record._write()
 
 

@@ -36,15 +36,14 @@ from zjax.bench.gpu_compile import TOPOLOGIES
 # to 8 minutes; tiny runs (CPU) get TINY_LIMIT each. The compile part's items are in
 # priority order (flat layouts first, HSDP and tensor parallel last).
 PARTS = (
-    ("probe", "zjax.bench.gpu_suite", ["--probe"], 20, False),
-    ("compile", "zjax.bench.gpu_compile", [], 150, False),
-    ("mock_run", "zjax.bench.gpu_compile", ["--mock-run"], 20, True),
-    ("single_zjax", "zjax.bench.gpu_execute", ["--method", "zjax"], 60, False),
-    ("single_plain", "zjax.bench.gpu_execute", ["--method", "plain"], 60, False),
-    ("offload_optimizer", "zjax.bench.gpu_execute", ["--method", "offload_optimizer"], 55,
-     False),
-    ("offload_params", "zjax.bench.gpu_execute", ["--method", "offload_params"], 55, False),
-    ("offload_budget", "zjax.bench.gpu_execute", ["--method", "budget"], 60, True),
+  ("probe", "zjax.bench.gpu_suite", ["--probe"], 20, False),
+  ("compile", "zjax.bench.gpu_compile", [], 150, False),
+  ("mock_run", "zjax.bench.gpu_compile", ["--mock-run"], 20, True),
+  ("single_zjax", "zjax.bench.gpu_execute", ["--method", "zjax"], 60, False),
+  ("single_plain", "zjax.bench.gpu_execute", ["--method", "plain"], 60, False),
+  ("offload_optimizer", "zjax.bench.gpu_execute", ["--method", "offload_optimizer"], 55, False),
+  ("offload_params", "zjax.bench.gpu_execute", ["--method", "offload_params"], 55, False),
+  ("offload_budget", "zjax.bench.gpu_execute", ["--method", "budget"], 60, True),
 )
 TINY_LIMIT = 300
 # Under a mock topology XLA's sharded autotuning waits for autotuning results from the
@@ -60,11 +59,14 @@ def run_suite(out: str, tiny: bool | None = None, scale: float = 1.0, log=print)
   for folder in ("logs", "parts", "hlo"):  # nothing of an earlier run is read as this one's
     shutil.rmtree(os.path.join(out, folder), ignore_errors=True)
   os.makedirs(os.path.join(out, "logs"))
-  results = {"command": " ".join(["zjax"] + sys.argv[1:]) if sys.argv else "",
-             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "parts": {}}
+  results = {
+    "command": " ".join(["zjax"] + sys.argv[1:]) if sys.argv else "",
+    "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    "parts": {},
+  }
   began = time.monotonic()
   probe = _run_part(out, PARTS[0], tiny=bool(tiny), limit=PARTS[0][3] * scale * 2, log=log)
-  machine = ((probe.get("items") or {}).get("probe") or {})
+  machine = (probe.get("items") or {}).get("probe") or {}
   results["machine"] = machine
   if tiny is None:
     tiny = machine.get("platform") != "gpu"
@@ -74,16 +76,18 @@ def run_suite(out: str, tiny: bool | None = None, scale: float = 1.0, log=print)
   for part in PARTS[1:]:
     name, _, _, limit, gpu_only = part
     if tiny and gpu_only:
-      results["parts"][name] = {"status": "skipped", "reason": "needs a GPU (tiny mode: "
-                                "CPU devices)"}
+      results["parts"][name] = {
+        "status": "skipped",
+        "reason": "needs a GPU (tiny mode: CPU devices)",
+      }
     elif name == "compile" and not tiny:
       results["parts"][name] = _compile_with_topologies(out, part, limit * scale, log)
     elif name == "offload_budget":
-      results["parts"][name] = _budget(out, part, results["parts"], machine, limit * scale,
-                                       log)
+      results["parts"][name] = _budget(out, part, results["parts"], machine, limit * scale, log)
     else:
-      results["parts"][name] = _run_part(out, part, tiny, TINY_LIMIT if tiny else
-                                         limit * scale, log)
+      results["parts"][name] = _run_part(
+        out, part, tiny, TINY_LIMIT if tiny else limit * scale, log
+      )
     results["wall_seconds"] = time.monotonic() - began
     _write(out, results)
   return results
@@ -92,22 +96,32 @@ def run_suite(out: str, tiny: bool | None = None, scale: float = 1.0, log=print)
 def _run_part(out, part, tiny, limit, log, extra=(), env=None) -> dict:
   """Run one part's process with `limit` seconds; its record, with how it ended."""
   name, module, args, _, _ = part
-  command = [sys.executable, "-m", module, "--out", out, *args, *extra] + \
-      (["--tiny"] if tiny else [])
-  child_env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false",
-                   XLA_PYTHON_CLIENT_MEM_FRACTION=str(MEMORY_FRACTION), **(env or {}))
+  command = [sys.executable, "-m", module, "--out", out, *args, *extra] + (
+    ["--tiny"] if tiny else []
+  )
+  child_env = dict(
+    os.environ,
+    PYTHONUNBUFFERED="1",
+    XLA_PYTHON_CLIENT_PREALLOCATE="false",
+    XLA_PYTHON_CLIENT_MEM_FRACTION=str(MEMORY_FRACTION),
+    **(env or {}),
+  )
   start = time.monotonic()
   log(f"[gpu suite] {name}: limit {limit:.0f} s ...")
   with open(os.path.join(out, "logs", f"{name}.log"), "a") as f:
     try:
-      rc = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, env=child_env,
-                          timeout=limit).returncode
+      rc = subprocess.run(
+        command, stdout=f, stderr=subprocess.STDOUT, env=child_env, timeout=limit
+      ).returncode
       ended = "exit 0" if rc == 0 else f"exit {rc}"
     except subprocess.TimeoutExpired:
       ended = f"stopped at its time limit ({limit:.0f} s)"
   record = gpu_record.read_part(out, name) or {"items": {}}
-  record.update(status="ok" if ended == "exit 0" else "incomplete", ended=ended,
-                wall_seconds=time.monotonic() - start)
+  record.update(
+    status="ok" if ended == "exit 0" else "incomplete",
+    ended=ended,
+    wall_seconds=time.monotonic() - start,
+  )
   log(f"[gpu suite] {name}: {ended} after {record['wall_seconds']:.0f} s")
   return record
 
@@ -119,11 +133,16 @@ def _compile_with_topologies(out, part, limit, log) -> dict:
     left = deadline - time.monotonic()
     if left < 20:
       break
-    record = _run_part(out, part, False, left, log,
-                       extra=["--topology", topology, "--deadline", str(left - 5)],
-                       env={"XLA_FLAGS": _with_flag(MOCK_XLA_FLAG)})
-    attempts.append({"topology": topology, "ended": record["ended"],
-                     "error": record.get("error")})
+    record = _run_part(
+      out,
+      part,
+      False,
+      left,
+      log,
+      extra=["--topology", topology, "--deadline", str(left - 5)],
+      env={"XLA_FLAGS": _with_flag(MOCK_XLA_FLAG)},
+    )
+    attempts.append({"topology": topology, "ended": record["ended"], "error": record.get("error")})
     if record.get("backend"):
       record["attempts"] = attempts
       return record
@@ -136,6 +155,7 @@ def _with_flag(flag: str) -> str:
 
 def _budget(out, part, parts, machine, limit, log) -> dict:
   """The budget: halfway between the measured peaks with optimizer offload and without."""
+
   def peak(name):
     items = (parts.get(name) or {}).get("items") or {}
     return next((v.get("peak_device_bytes") for v in items.values()), None)
@@ -143,19 +163,27 @@ def _budget(out, part, parts, machine, limit, log) -> dict:
   with_offload, without = peak("offload_optimizer"), peak("single_zjax")
   total = machine.get("device_memory_bytes")
   if not (with_offload and without and total) or with_offload >= without:
-    return {"status": "skipped", "reason": f"needs both peaks, with offload below without, "
-            f"and the device's memory (got {with_offload}, {without}, {total})", "items": {}}
+    return {
+      "status": "skipped",
+      "reason": f"needs both peaks, with offload below without, "
+      f"and the device's memory (got {with_offload}, {without}, {total})",
+      "items": {},
+    }
   budget = (with_offload + without) // 2
-  record = _run_part(out, part, False, limit, log,
-                     env={"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{budget / total:.4f}"})
+  record = _run_part(
+    out, part, False, limit, log, env={"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{budget / total:.4f}"}
+  )
   record["budget_bytes"] = budget
   return record
 
 
 def _write(out: str, results: dict) -> None:
   from zjax.bench import gpu_report
-  for name, text in (("gpu.json", json.dumps(results, indent=1, default=str)),
-                     ("gpu.md", gpu_report.markdown(results))):
+
+  for name, text in (
+    ("gpu.json", json.dumps(results, indent=1, default=str)),
+    ("gpu.md", gpu_report.markdown(results)),
+  ):
     tmp = os.path.join(out, name + ".tmp")
     with open(tmp, "w") as f:
       f.write(text)
@@ -164,15 +192,22 @@ def _write(out: str, results: dict) -> None:
 
 # ---- the probe (a part of its own: the parent never starts JAX) -----------------------------
 
+
 def probe() -> dict:
   import importlib.metadata as md
   import platform
 
   import jax
+
   device = jax.devices()[0]
-  out = {"platform": device.platform, "device_kind": device.device_kind,
-         "devices": jax.device_count(), "python": platform.python_version(),
-         "host_cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
+  out = {
+    "platform": device.platform,
+    "device_kind": device.device_kind,
+    "devices": jax.device_count(),
+    "python": platform.python_version(),
+    "host_cpus": os.cpu_count(),
+    "date": time.strftime("%Y-%m-%d"),
+  }
   for package in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy"):
     try:
       out[package] = md.version(package)
@@ -187,6 +222,7 @@ def probe() -> dict:
 
 def main(argv=None) -> int:
   import argparse
+
   p = argparse.ArgumentParser()
   p.add_argument("--out", required=True)
   p.add_argument("--probe", action="store_true")
@@ -194,6 +230,7 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   if args.tiny:
     import jax
+
     jax.config.update("jax_platforms", "cpu")
   record = gpu_record.PartRecord(args.out, "probe")
   record.run_item("probe", probe)

@@ -31,7 +31,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import zjax
 from zjax._src import layout
@@ -74,12 +75,14 @@ def zjax_method(name, loss_fn, params, batch, mesh, config, optimizer, **plan) -
     box[0], metrics = executable[0](box[0], batch)
     return metrics["loss"]
 
-  return Method(name, analysis, run, lambda: (box[0].params, box[0].opt_state), setup,
-                seconds, schedule, mesh)
+  return Method(
+    name, analysis, run, lambda: (box[0].params, box[0].opt_state), setup, seconds, schedule, mesh
+  )
 
 
-def gspmd_method(name, loss_fn, params, batch, mesh, optimizer, shard_params,
-                 param_specs=None, batch_axes=None) -> Method:
+def gspmd_method(
+  name, loss_fn, params, batch, mesh, optimizer, shard_params, param_specs=None, batch_axes=None
+) -> Method:
   """GSPMD: parameters sharded over the mesh's last axis (or replicated), or by
   `param_specs` (a pytree of PartitionSpecs like params); the batch over every axis, or
   over `batch_axes`."""
@@ -87,22 +90,27 @@ def gspmd_method(name, loss_fn, params, batch, mesh, optimizer, shard_params,
   axis, n = mesh.axis_names[-1], mesh.shape[mesh.axis_names[-1]]
   if batch_axes is None:
     batch_axes = mesh.axis_names if len(mesh.axis_names) > 1 else axis
-  spec = (lambda x: layout.largest_dim_spec(x.shape, n, axis)) if shard_params else \
-      (lambda x: P())
+  spec = (lambda x: layout.largest_dim_spec(x.shape, n, axis)) if shard_params else (lambda x: P())
   specs = jax.tree.map(spec, params) if param_specs is None else param_specs
   placed = jax.tree.map(  # copies: the step donates them, the caller's params must survive
-      lambda x, s: jax.device_put(jnp.array(x, copy=True), NamedSharding(mesh, s)), params,
-      specs)
+    lambda x, s: jax.device_put(jnp.array(x, copy=True), NamedSharding(mesh, s)), params, specs
+  )
   placed_batch = jax.tree.map(
-      lambda x: jax.device_put(x, NamedSharding(mesh, P(batch_axes) if x.ndim else P())),
-      batch)
+    lambda x: jax.device_put(x, NamedSharding(mesh, P(batch_axes) if x.ndim else P())), batch
+  )
   opt_state = optimizer.init(placed)  # eager: each moment keeps its parameter's sharding
   mesh_devices = set(mesh.devices.flat)
   opt_state = jax.tree.map(  # scalars (step counts) made on one device: replicate them
-      lambda x: x if x.sharding.device_set == mesh_devices else
-      jax.device_put(x, NamedSharding(mesh, P())), opt_state)
-  shardings = (jax.tree.map(lambda x: x.sharding, placed),
-               jax.tree.map(lambda x: x.sharding, opt_state), NamedSharding(mesh, P()))
+    lambda x: (
+      x if x.sharding.device_set == mesh_devices else jax.device_put(x, NamedSharding(mesh, P()))
+    ),
+    opt_state,
+  )
+  shardings = (
+    jax.tree.map(lambda x: x.sharding, placed),
+    jax.tree.map(lambda x: x.sharding, opt_state),
+    NamedSharding(mesh, P()),
+  )
 
   def train_step(params, opt_state, batch):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)

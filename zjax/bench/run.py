@@ -4,11 +4,12 @@ by side (DESIGN.md §3), plus scaling with the device count and with depth.
 Per method: per-device state (params + optimizer state actually held), `memory_analysis()`
 temp/argument bytes, the collectives as executed (a while body's once per iteration) from
 the HLO, both of the step compiled as a GPU orders it (`hlo.compile_for_analysis`; the CPU
-runs XLA's own compile of the same lowering), flops from `cost_analysis()`, compile time, and step time as the median
-(min, max) of interleaved rounds A B C D A B C D ... Floors: state 12 bytes per fp32
-parameter / N (parameter + adam's two moments; ZeRO's 16Ψ/N counts fp16 copies and
-gradients too), communication 3Ψ (forward all-gather, backward all-gather, reduce-scatter;
-every collective counted by its full buffer, the convention of `Schedule.report()`).
+runs XLA's own compile of the same lowering), flops from `cost_analysis()`, compile time,
+and step time as the median (min, max) of interleaved rounds A B C D A B C D ... Floors:
+state 12 bytes per fp32 parameter / N (parameter + adam's two moments; ZeRO's 16Ψ/N counts
+fp16 copies and gradients too), communication 3Ψ (forward all-gather, backward all-gather,
+reduce-scatter; every collective counted by its full buffer, the convention of
+`Schedule.report()`).
 """
 
 import dataclasses
@@ -48,20 +49,27 @@ def gpt_model(layers: int, d_model: int, batch_size: int, seq_len: int = 64) -> 
   from zjax.models.gpt import GPT, GPTConfig, make_loss_fn
 
   def build(scan, annotated=False):
-    cfg = GPTConfig(n_layer=layers, d_model=d_model, d_ff=4 * d_model, seq_len=seq_len,
-                    scan_layers=scan, logical_axes=annotated,
-                    vocab_multiple=TENSOR_PARALLEL if annotated else 1)
+    cfg = GPTConfig(
+      n_layer=layers,
+      d_model=d_model,
+      d_ff=4 * d_model,
+      seq_len=seq_len,
+      scan_layers=scan,
+      logical_axes=annotated,
+      vocab_multiple=TENSOR_PARALLEL if annotated else 1,
+    )
     model = GPT(cfg)
-    tokens = jax.random.randint(jax.random.key(0), (batch_size, seq_len + 1), 0,
-                                cfg.vocab_size)
+    tokens = jax.random.randint(jax.random.key(0), (batch_size, seq_len + 1), 0, cfg.vocab_size)
     params = model.init(jax.random.key(1), tokens[:1, :-1])
-    block = 4 * d_model ** 2 + 2 * d_model * 4 * d_model
+    block = 4 * d_model**2 + 2 * d_model * 4 * d_model
     # ZeRO-3's memory regime: one block ahead, release after every use
-    config = zjax.ZeroConfig(prefetch_bucket_size=block, max_reuse_distance=0,
-                             param_persistence_threshold=4096)
+    config = zjax.ZeroConfig(
+      prefetch_bucket_size=block, max_reuse_distance=0, param_persistence_threshold=4096
+    )
     return Model(make_loss_fn(model), params, {"tokens": tokens}, config)
 
   from zjax.models.gpt import LOGICAL_AXIS_RULES
+
   tensor = dataclasses.replace(build(False, annotated=True), rules=LOGICAL_AXIS_RULES)
   return dataclasses.replace(build(False), scanned=build(True), tensor=tensor)
 
@@ -70,13 +78,17 @@ def target_model(spec: str) -> Model:
   """A user's `module:function` / `path.py:function` (as for `zjax inspect`), with shapes
   made concrete: floats normal * 0.02, integers zero."""
   from zjax.cli.target import load_target
+
   target = load_target(spec)
   if target.tensor_specs is not None or (target.config and target.config.tensor_axes):
-    raise ValueError(f"{spec}: zjax bench runs a target data parallel only (its tensor-"
-                     f"parallel rows use the built-in GPT); return a config without "
-                     f"tensor_axes and no tensor_specs.")
-  keys = iter(jax.random.split(jax.random.key(0), len(jax.tree.leaves(
-      (target.params, target.batch)))))
+    raise ValueError(
+      f"{spec}: zjax bench runs a target data parallel only (its tensor-"
+      f"parallel rows use the built-in GPT); return a config without "
+      f"tensor_axes and no tensor_specs."
+    )
+  keys = iter(
+    jax.random.split(jax.random.key(0), len(jax.tree.leaves((target.params, target.batch))))
+  )
 
   def concrete(x):
     key = next(keys)
@@ -86,8 +98,12 @@ def target_model(spec: str) -> Model:
       return (jax.random.normal(key, x.shape) * 0.02).astype(x.dtype)
     return jnp.zeros(x.shape, x.dtype)
 
-  return Model(target.loss_fn, jax.tree.map(concrete, target.params),
-               jax.tree.map(concrete, target.batch), target.config or zjax.ZeroConfig())
+  return Model(
+    target.loss_fn,
+    jax.tree.map(concrete, target.params),
+    jax.tree.map(concrete, target.batch),
+    target.config or zjax.ZeroConfig(),
+  )
 
 
 TENSOR_PARALLEL = 2  # the tensor axis of the zjax_tp and gspmd_2d rows
@@ -105,33 +121,73 @@ def build_methods(model: Model, mesh, optimizer, hybrid=False, only=None) -> lis
   qwz = dataclasses.replace(rolled, gather_quantization="int8")
   qgz = dataclasses.replace(rolled, reduce_quantization="int8")
   both = dataclasses.replace(qwz, reduce_quantization="int8")
-  methods = [(name, lambda name=name, config=config: zjax_method(
-      name, model.loss_fn, model.params, model.batch, mesh, config, optimizer))
-      for name, config in (("zjax_rolled", rolled), ("zjax_unrolled", unrolled),
-                           ("zjax_qwz", qwz), ("zjax_qgz", qgz), ("zjax_qwz_qgz", both))]
+  methods = [
+    (
+      name,
+      lambda name=name, config=config: zjax_method(
+        name, model.loss_fn, model.params, model.batch, mesh, config, optimizer
+      ),
+    )
+    for name, config in (
+      ("zjax_rolled", rolled),
+      ("zjax_unrolled", unrolled),
+      ("zjax_qwz", qwz),
+      ("zjax_qgz", qgz),
+      ("zjax_qwz_qgz", both),
+    )
+  ]
   if model.scanned is not None:
     s = model.scanned
-    methods.append(("zjax_scanned", lambda: zjax_method(
-        "zjax_scanned", s.loss_fn, s.params, s.batch, mesh, s.config, optimizer)))
+    methods.append(
+      (
+        "zjax_scanned",
+        lambda: zjax_method(
+          "zjax_scanned", s.loss_fn, s.params, s.batch, mesh, s.config, optimizer
+        ),
+      )
+    )
   methods += [
-      ("gspmd_fsdp", lambda: gspmd_method("gspmd_fsdp", model.loss_fn, model.params,
-                                          model.batch, mesh, optimizer, True)),
-      ("data_parallel", lambda: gspmd_method("data_parallel", model.loss_fn, model.params,
-                                             model.batch, mesh, optimizer, False))]
+    (
+      "gspmd_fsdp",
+      lambda: gspmd_method(
+        "gspmd_fsdp", model.loss_fn, model.params, model.batch, mesh, optimizer, True
+      ),
+    ),
+    (
+      "data_parallel",
+      lambda: gspmd_method(
+        "data_parallel", model.loss_fn, model.params, model.batch, mesh, optimizer, False
+      ),
+    ),
+  ]
   n = mesh.devices.size
   if hybrid and n >= 4 and n % 2 == 0:  # a 2 x N/2 mesh of the same devices
-    mesh2d = jax.make_mesh((2, n // 2), ("replica", "fsdp"), devices=list(mesh.devices.flat),
-                           axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    mesh2d = jax.make_mesh(
+      (2, n // 2),
+      ("replica", "fsdp"),
+      devices=list(mesh.devices.flat),
+      axis_types=(jax.sharding.AxisType.Auto,) * 2,
+    )
     hsdp = dataclasses.replace(model.config, shard_axes=("fsdp",), replicate_axes=("replica",))
     hpz = dataclasses.replace(hsdp, secondary_partition=True)
     methods += [
-        (name, lambda name=name, config=config: zjax_method(
-            name, model.loss_fn, model.params, model.batch, mesh2d, config, optimizer))
-        for name, config in (("zjax_hsdp", hsdp), ("zjax_hpz", hpz))]
-    methods.append(("gspmd_hsdp", lambda: gspmd_method(
-        "gspmd_hsdp", model.loss_fn, model.params, model.batch, mesh2d, optimizer, True)))
-  if hybrid and model.tensor is not None and n % TENSOR_PARALLEL == 0 and \
-      n // TENSOR_PARALLEL >= 2:
+      (
+        name,
+        lambda name=name, config=config: zjax_method(
+          name, model.loss_fn, model.params, model.batch, mesh2d, config, optimizer
+        ),
+      )
+      for name, config in (("zjax_hsdp", hsdp), ("zjax_hpz", hpz))
+    ]
+    methods.append(
+      (
+        "gspmd_hsdp",
+        lambda: gspmd_method(
+          "gspmd_hsdp", model.loss_fn, model.params, model.batch, mesh2d, optimizer, True
+        ),
+      )
+    )
+  if hybrid and model.tensor is not None and n % TENSOR_PARALLEL == 0 and n // TENSOR_PARALLEL >= 2:
     methods += tensor_parallel_methods(model.tensor, mesh, optimizer)
   return [make() for name, make in methods if only is None or name in only]
 
@@ -140,19 +196,46 @@ def tensor_parallel_methods(model: Model, mesh, optimizer) -> list:
   """zjax_tp and gspmd_2d on an N/T x T ("fsdp", "tensor") mesh of the same devices: the
   same annotated model, its logical names mapped by the same rules."""
   import flax.linen as nn
+
   n, t = mesh.devices.size, TENSOR_PARALLEL
-  mesh2d = jax.make_mesh((n // t, t), ("fsdp", "tensor"), devices=list(mesh.devices.flat),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  mesh2d = jax.make_mesh(
+    (n // t, t),
+    ("fsdp", "tensor"),
+    devices=list(mesh.devices.flat),
+    axis_types=(jax.sharding.AxisType.Auto,) * 2,
+  )
   params = nn.unbox(model.params)
   specs = nn.logical_to_mesh(nn.get_partition_spec(model.params), model.rules)
   config = dataclasses.replace(model.config, tensor_axes=("tensor",))
   return [
-      ("zjax_tp", lambda: zjax_method("zjax_tp", model.loss_fn, model.params, model.batch,
-                                      mesh2d, config, optimizer,
-                                      logical_axis_rules=model.rules)),
-      ("gspmd_2d", lambda: gspmd_method("gspmd_2d", model.loss_fn, params, model.batch,
-                                        mesh2d, optimizer, True, param_specs=specs,
-                                        batch_axes="fsdp"))]
+    (
+      "zjax_tp",
+      lambda: zjax_method(
+        "zjax_tp",
+        model.loss_fn,
+        model.params,
+        model.batch,
+        mesh2d,
+        config,
+        optimizer,
+        logical_axis_rules=model.rules,
+      ),
+    ),
+    (
+      "gspmd_2d",
+      lambda: gspmd_method(
+        "gspmd_2d",
+        model.loss_fn,
+        params,
+        model.batch,
+        mesh2d,
+        optimizer,
+        True,
+        param_specs=specs,
+        batch_axes="fsdp",
+      ),
+    ),
+  ]
 
 
 def compare(model: Model, mesh, rounds: int, steps_per_round: int) -> list[dict]:
@@ -165,17 +248,25 @@ def compare(model: Model, mesh, rounds: int, steps_per_round: int) -> list[dict]
   n = mesh.devices.size
   rows = []
   for method in built:
-    row = {"method": method.name, "setup_seconds": method.setup_seconds,
-           "compile_seconds": method.compile_seconds,
-           **_measured(method), **_timing(times[method.name])}
+    row = {
+      "method": method.name,
+      "setup_seconds": method.setup_seconds,
+      "compile_seconds": method.compile_seconds,
+      **_measured(method),
+      **_timing(times[method.name]),
+    }
     row["state_vs_floor"] = row["state_bytes"] / (ADAM_BYTES_PER_PARAM_BYTE * psi * itemsize / n)
-    row["comm_vs_3psi"] = (row["all_gather_bytes"] + row["reduce_scatter_bytes"] +
-                           row["all_to_all_bytes"] + row["all_reduce_bytes"]) / \
-        (3 * psi * itemsize)
+    row["comm_vs_3psi"] = (
+      row["all_gather_bytes"]
+      + row["reduce_scatter_bytes"]
+      + row["all_to_all_bytes"]
+      + row["all_reduce_bytes"]
+    ) / (3 * psi * itemsize)
     if method.schedule is not None:
       row.update(_predicted(method.schedule))
-      row["state_vs_floor_plus_persistent"] = \
-          row["state_bytes"] / row["state_floor_plus_persistent_bytes"]
+      row["state_vs_floor_plus_persistent"] = (
+        row["state_bytes"] / row["state_floor_plus_persistent_bytes"]
+      )
     rows.append(row)
   base = next(r for r in rows if r["method"] == "gspmd_fsdp")
   for r in rows:
@@ -187,8 +278,9 @@ def compare(model: Model, mesh, rounds: int, steps_per_round: int) -> list[dict]
 def _measured(method) -> dict:
   summary = hlo.summarize(method.analysis)
   executed = hlo.executed(method.analysis.as_text())
-  row = {k: summary[k] for k in ("temp_bytes", "argument_bytes", "output_bytes", "alias_bytes",
-                                 "flops")}
+  row = {
+    k: summary[k] for k in ("temp_bytes", "argument_bytes", "output_bytes", "alias_bytes", "flops")
+  }
   for kind in ("all_gather", "reduce_scatter", "all_to_all", "all_reduce"):
     row[f"{kind}_count"] = executed.get(f"{kind}_count", 0)
     row[f"{kind}_bytes"] = executed.get(f"{kind}_bytes", 0)
@@ -196,8 +288,9 @@ def _measured(method) -> dict:
   mesh_shape = dict(method.mesh.shape)
   if "tensor" in mesh_shape:  # the TP rows: bytes over each axis
     by_axis = hlo.executed_by_axis(method.analysis.as_text(), mesh_shape)
-    row["bytes_by_axis"] = {kind: {k: v for k, v in axes.items() if v}
-                            for kind, axes in by_axis.items()}
+    row["bytes_by_axis"] = {
+      kind: {k: v for k, v in axes.items() if v} for kind, axes in by_axis.items()
+    }
   return row
 
 
@@ -206,19 +299,27 @@ def _predicted(schedule) -> dict:
   parameter with N its storage devices (HSDP: the shard group; hpZ, flat: all)."""
   report, n = schedule.report(), schedule.num_devices
   state_floor = sum(
-      ADAM_BYTES_PER_PARAM_BYTE * (p.size if p.persistent else p.size / n) *
-      jnp.dtype(p.dtype).itemsize for p in schedule.params)
-  return {"predicted_all_gather_bytes": report["all_gather_bytes"],
-          "predicted_reduce_scatter_bytes": report["reduce_scatter_bytes"],
-          "predicted_all_to_all_bytes": report["all_to_all_bytes"],
-          "predicted_all_gather_count": report["all_gather_count"],
-          "predicted_reduce_scatter_count": report["reduce_scatter_count"],
-          "state_floor_plus_persistent_bytes": state_floor}
+    ADAM_BYTES_PER_PARAM_BYTE
+    * (p.size if p.persistent else p.size / n)
+    * jnp.dtype(p.dtype).itemsize
+    for p in schedule.params
+  )
+  return {
+    "predicted_all_gather_bytes": report["all_gather_bytes"],
+    "predicted_reduce_scatter_bytes": report["reduce_scatter_bytes"],
+    "predicted_all_to_all_bytes": report["all_to_all_bytes"],
+    "predicted_all_gather_count": report["all_gather_count"],
+    "predicted_reduce_scatter_count": report["reduce_scatter_count"],
+    "state_floor_plus_persistent_bytes": state_floor,
+  }
 
 
 def _timing(samples) -> dict:
-  return {"step_seconds_median": statistics.median(samples), "step_seconds_min": min(samples),
-          "step_seconds_max": max(samples)}
+  return {
+    "step_seconds_median": statistics.median(samples),
+    "step_seconds_min": min(samples),
+    "step_seconds_max": max(samples),
+  }
 
 
 def _interleaved_times(methods, rounds, steps) -> dict[str, list[float]]:
@@ -242,8 +343,14 @@ def scale_devices(model: Model, counts) -> list[dict]:
     mesh = mesh_of(n)
     for method in build_methods(model, mesh, optax.adamw(1e-3), only=DEVICE_METHODS):
       row = _measured(method)
-      rows.append({"devices": n, "method": method.name, "state_bytes": row["state_bytes"],
-                   "temp_bytes": row["temp_bytes"]})
+      rows.append(
+        {
+          "devices": n,
+          "method": method.name,
+          "state_bytes": row["state_bytes"],
+          "temp_bytes": row["temp_bytes"],
+        }
+      )
   return rows
 
 
@@ -252,54 +359,90 @@ def scale_depth(make_model, depths, mesh) -> list[dict]:
   only)."""
   rows = []
   for depth in depths:
-    for method in build_methods(make_model(depth), mesh, optax.adamw(1e-3),
-                                only=DEPTH_METHODS):
-      rows.append({"layers": depth, "method": method.name,
-                   "temp_bytes": int(method.analysis.memory_analysis().temp_size_in_bytes),
-                   "setup_seconds": method.setup_seconds,
-                   "compile_seconds": method.compile_seconds})
+    for method in build_methods(make_model(depth), mesh, optax.adamw(1e-3), only=DEPTH_METHODS):
+      rows.append(
+        {
+          "layers": depth,
+          "method": method.name,
+          "temp_bytes": int(method.analysis.memory_analysis().temp_size_in_bytes),
+          "setup_seconds": method.setup_seconds,
+          "compile_seconds": method.compile_seconds,
+        }
+      )
   return rows
 
 
 def mesh_of(n):
-  return jax.make_mesh((n,), ("fsdp",), devices=jax.devices()[:n],
-                       axis_types=(jax.sharding.AxisType.Auto,))
+  return jax.make_mesh(
+    (n,), ("fsdp",), devices=jax.devices()[:n], axis_types=(jax.sharding.AxisType.Auto,)
+  )
 
 
 def machine() -> dict:
   device = jax.devices()[0]
-  return {"platform": device.platform, "device_kind": device.device_kind,
-          "devices_present": jax.device_count(), "cpu": platform.processor() or
-          platform.machine(), "jax": jax.__version__,
-          "date": time.strftime("%Y-%m-%d")}
+  return {
+    "platform": device.platform,
+    "device_kind": device.device_kind,
+    "devices_present": jax.device_count(),
+    "cpu": platform.processor() or platform.machine(),
+    "jax": jax.__version__,
+    "date": time.strftime("%Y-%m-%d"),
+  }
 
 
 # ---- output ------------------------------------------------------------------------------
+
 
 def main_tables(rows, n) -> list[Table]:
   """Three tables (memory; communication; time), one row per method, each narrow enough
   for an 80-column terminal."""
   base = next(r for r in rows if r["method"] == "gspmd_fsdp")["step_seconds_median"]
   groups = [
-      ("memory", [("state", "state_bytes"), ("state/floor", "state_vs_floor"),
-                  ("temp", "temp_bytes"), ("temp/gspmd", "temp_vs_gspmd"),
-                  ("args", "argument_bytes")]),
-      ("communication", [
-          ("AG", "all_gather_count"), ("AG bytes", "all_gather_bytes"),
-          ("RS", "reduce_scatter_count"), ("RS bytes", "reduce_scatter_bytes"),
-          ("A2A", "all_to_all_bytes"), ("AR", "all_reduce_bytes"),
-          ("comm/3Ψ", "comm_vs_3psi")]),
-      ("time", [("GFLOP", "flops"), ("setup s", "setup_seconds"),
-                ("compile s", "compile_seconds"),
-                ("step time / gspmd (min-max)", "time_vs_gspmd")])]
-  captions = {"time": "the compiled step run here, interleaved rounds",
-              "memory": "as a GPU orders the step (zjax.hlo.compile_for_analysis)",
-              "communication": "counts and bytes (full buffers; A2A, AR: bytes) as a GPU "
-                               "orders the step"}
+    (
+      "memory",
+      [
+        ("state", "state_bytes"),
+        ("state/floor", "state_vs_floor"),
+        ("temp", "temp_bytes"),
+        ("temp/gspmd", "temp_vs_gspmd"),
+        ("args", "argument_bytes"),
+      ],
+    ),
+    (
+      "communication",
+      [
+        ("AG", "all_gather_count"),
+        ("AG bytes", "all_gather_bytes"),
+        ("RS", "reduce_scatter_count"),
+        ("RS bytes", "reduce_scatter_bytes"),
+        ("A2A", "all_to_all_bytes"),
+        ("AR", "all_reduce_bytes"),
+        ("comm/3Ψ", "comm_vs_3psi"),
+      ],
+    ),
+    (
+      "time",
+      [
+        ("GFLOP", "flops"),
+        ("setup s", "setup_seconds"),
+        ("compile s", "compile_seconds"),
+        ("step time / gspmd (min-max)", "time_vs_gspmd"),
+      ],
+    ),
+  ]
+  captions = {
+    "time": "the compiled step run here, interleaved rounds",
+    "memory": "as a GPU orders the step (zjax.hlo.compile_for_analysis)",
+    "communication": "counts and bytes (full buffers; A2A, AR: bytes) as a GPU orders the step",
+  }
   tables = []
   for title, cols in groups:
-    table = Table(title=f"zjax bench, {title}: {n} devices, per device and step",
-                  caption=captions[title], box=box.SIMPLE_HEAD, pad_edge=False)
+    table = Table(
+      title=f"zjax bench, {title}: {n} devices, per device and step",
+      caption=captions[title],
+      box=box.SIMPLE_HEAD,
+      pad_edge=False,
+    )
     table.add_column("method", no_wrap=True)
     for head, _ in cols:
       table.add_column(head, justify="right", no_wrap=True)
@@ -316,31 +459,37 @@ def tensor_table(rows, n) -> Table | None:
   base = next((r for r in tp if r["method"] == "gspmd_2d"), None)
   if base is None:
     return None
-  table = Table(title=f"zjax bench, ZeRO-3 x tensor parallelism: {n // TENSOR_PARALLEL} x "
-                      f"{TENSOR_PARALLEL} (fsdp, tensor), per device and step",
-                caption="bytes as a GPU orders the step; AG, RS over fsdp; every "
-                        "collective's bytes over tensor; time: step time / gspmd_2d's",
-                box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 0))
-  for head in ("method", "state", "temp", "AG fsdp", "RS fsdp", "AR fsdp", "tensor",
-               "time"):
+  table = Table(
+    title=f"zjax bench, ZeRO-3 x tensor parallelism: {n // TENSOR_PARALLEL} x "
+    f"{TENSOR_PARALLEL} (fsdp, tensor), per device and step",
+    caption="bytes as a GPU orders the step; AG, RS over fsdp; every "
+    "collective's bytes over tensor; time: step time / gspmd_2d's",
+    box=box.SIMPLE_HEAD,
+    pad_edge=False,
+    padding=(0, 0),
+  )
+  for head in ("method", "state", "temp", "AG fsdp", "RS fsdp", "AR fsdp", "tensor", "time"):
     table.add_column(head, justify="left" if head == "method" else "right", no_wrap=True)
   for r in tp:
     axes = r["bytes_by_axis"]
     over = lambda kind, axis: axes.get(kind, {}).get(axis, 0)  # noqa: E731
-    table.add_row(r["method"], format_bytes(r["state_bytes"]), format_bytes(r["temp_bytes"]),
-                  format_bytes(over("all_gather", "fsdp")),
-                  format_bytes(over("reduce_scatter", "fsdp")),
-                  format_bytes(over("all_reduce", "fsdp")),
-                  format_bytes(hlo.bytes_over(axes, "tensor")),
-                  f"{r['step_seconds_median'] / base['step_seconds_median']:.2f}")
+    table.add_row(
+      r["method"],
+      format_bytes(r["state_bytes"]),
+      format_bytes(r["temp_bytes"]),
+      format_bytes(over("all_gather", "fsdp")),
+      format_bytes(over("reduce_scatter", "fsdp")),
+      format_bytes(over("all_reduce", "fsdp")),
+      format_bytes(hlo.bytes_over(axes, "tensor")),
+      f"{r['step_seconds_median'] / base['step_seconds_median']:.2f}",
+    )
   return table
 
 
 def _cell(r, key, base) -> str:
   value = r[key]
   if key == "time_vs_gspmd":
-    return (f"{value:.2f} ({r['step_seconds_min'] / base:.2f}-"
-            f"{r['step_seconds_max'] / base:.2f})")
+    return f"{value:.2f} ({r['step_seconds_min'] / base:.2f}-{r['step_seconds_max'] / base:.2f})"
   if key == "flops":
     return f"{value / 1e9:.2f}"
   if key.endswith("bytes"):
@@ -350,8 +499,10 @@ def _cell(r, key, base) -> str:
 
 def plot(results: dict, directory) -> list[str]:
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
   written = []
 
   def save(fig, name):
@@ -362,10 +513,16 @@ def plot(results: dict, directory) -> list[str]:
     written.append(path)
 
   for key, x, y, name, xlabel, ylabel in (
-      ("devices", "devices", "state_bytes", "memory_vs_devices.png", "devices N",
-       "per-device state (MiB)"),
-      ("depth", "layers", "temp_bytes", "memory_vs_depth.png", "layers L",
-       "per-device temp (MiB)")):
+    (
+      "devices",
+      "devices",
+      "state_bytes",
+      "memory_vs_devices.png",
+      "devices N",
+      "per-device state (MiB)",
+    ),
+    ("depth", "layers", "temp_bytes", "memory_vs_depth.png", "layers L", "per-device temp (MiB)"),
+  ):
     rows = results.get(key) or []
     if not rows:
       continue
@@ -383,8 +540,10 @@ def plot(results: dict, directory) -> list[str]:
   fig, ax = plt.subplots(figsize=(6, 4))
   base = next(r for r in rows if r["method"] == "gspmd_fsdp")["step_seconds_median"]
   medians = [r["step_seconds_median"] / base for r in rows]
-  errors = [[m - r["step_seconds_min"] / base for m, r in zip(medians, rows)],
-            [r["step_seconds_max"] / base - m for m, r in zip(medians, rows)]]
+  errors = [
+    [m - r["step_seconds_min"] / base for m, r in zip(medians, rows)],
+    [r["step_seconds_max"] / base - m for m, r in zip(medians, rows)],
+  ]
   ax.bar([r["method"] for r in rows], medians, yerr=errors, capsize=4)
   ax.axhline(1.0, color="gray", lw=0.8)
   ax.set_ylabel("step time / GSPMD FSDP (median, min-max)")

@@ -7,4 +7,5 @@ def setup(num_devices: int) -> None:
   schedule's order only in analysis compiles (zjax/_src/xla_options.py). Must run before
   the first JAX computation."""
   import jax
+
   jax.config.update("jax_num_cpu_devices", max(int(num_devices), 1))

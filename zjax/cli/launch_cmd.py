@@ -17,15 +17,25 @@ from zjax import distributed
 
 def add_parser(subparsers) -> None:
   p = subparsers.add_parser(
-      "launch", help="run a script as P local processes of one jax.distributed run",
-      description="zjax launch --nproc P --devices-per-process D -- python script.py ARGS. "
-                  "The script calls zjax.distributed.initialize() first.")
+    "launch",
+    help="run a script as P local processes of one jax.distributed run",
+    description="zjax launch --nproc P --devices-per-process D -- python script.py ARGS. "
+    "The script calls zjax.distributed.initialize() first.",
+  )
   p.add_argument("--nproc", type=int, required=True, help="number of processes P")
-  p.add_argument("--devices-per-process", type=int, default=1,
-                 help="simulated CPU devices per process (the CPU backend only)")
-  p.add_argument("--timeout", type=float, default=60.0,
-                 help="seconds the others get after one process fails, and the "
-                      "jax.distributed initialization / heartbeat timeout")
+  p.add_argument(
+    "--devices-per-process",
+    type=int,
+    default=1,
+    help="simulated CPU devices per process (the CPU backend only)",
+  )
+  p.add_argument(
+    "--timeout",
+    type=float,
+    default=60.0,
+    help="seconds the others get after one process fails, and the "
+    "jax.distributed initialization / heartbeat timeout",
+  )
   p.add_argument("command", nargs="+", help="the command, after --")
   p.set_defaults(run=run)
 
@@ -34,19 +44,25 @@ def run(args) -> int:
   if args.nproc < 1:
     raise ValueError(f"--nproc must be a positive number of processes, got {args.nproc}.")
   if args.devices_per_process < 1:
-    raise ValueError(f"--devices-per-process must be a positive integer, got "
-                     f"{args.devices_per_process}.")
+    raise ValueError(
+      f"--devices-per-process must be a positive integer, got {args.devices_per_process}."
+    )
   if not args.timeout > 0:
     raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout:g}.")
   address = f"127.0.0.1:{_free_port()}"
   processes = []
   for rank in range(args.nproc):
-    env = {**os.environ, distributed.ENV_COORDINATOR: address,
-           distributed.ENV_NUM_PROCESSES: str(args.nproc), distributed.ENV_PROCESS_ID: str(rank),
-           distributed.ENV_LOCAL_DEVICES: str(args.devices_per_process),
-           distributed.ENV_TIMEOUT: str(args.timeout)}
-    proc = subprocess.Popen(args.command, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, bufsize=1)
+    env = {
+      **os.environ,
+      distributed.ENV_COORDINATOR: address,
+      distributed.ENV_NUM_PROCESSES: str(args.nproc),
+      distributed.ENV_PROCESS_ID: str(rank),
+      distributed.ENV_LOCAL_DEVICES: str(args.devices_per_process),
+      distributed.ENV_TIMEOUT: str(args.timeout),
+    }
+    proc = subprocess.Popen(
+      args.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+    )
     threading.Thread(target=_stream, args=(proc, rank), daemon=True).start()
     processes.append(proc)
   signal.signal(signal.SIGTERM, lambda *_: _pass_on(processes, signal.SIGTERM))
@@ -56,8 +72,11 @@ def run(args) -> int:
 def _pass_on(processes, signum) -> None:
   """A scheduler's preemption notice (SIGTERM) goes to every process: JAX's preemption
   service then has them all save the same step (zjax.CheckpointManager.save_if_preempted)."""
-  print(f"zjax launch: {signal.Signals(signum).name}: passed on to the {len(processes)} "
-        f"processes", file=sys.stderr, flush=True)
+  print(
+    f"zjax launch: {signal.Signals(signum).name}: passed on to the {len(processes)} processes",
+    file=sys.stderr,
+    flush=True,
+  )
   for p in processes:
     if p.poll() is None:
       p.send_signal(signum)
@@ -75,7 +94,7 @@ def _wait(processes, timeout) -> int:
   failed_at, code, reported = None, 0, set()
   while True:
     codes = [p.poll() for p in processes]  # one look, so that processes that end together
-    for rank, c in enumerate(codes):      # still have their failures reported
+    for rank, c in enumerate(codes):  # still have their failures reported
       if c not in (None, 0) and rank not in reported:
         reported.add(rank)
         wait = ""
@@ -95,8 +114,11 @@ def _wait(processes, timeout) -> int:
   for p in processes:
     p.wait()
   if failed_at is not None:
-    print(f"zjax launch: run failed; all processes stopped "
-          f"{time.monotonic() - failed_at:.1f} s after the first failure", file=sys.stderr)
+    print(
+      f"zjax launch: run failed; all processes stopped "
+      f"{time.monotonic() - failed_at:.1f} s after the first failure",
+      file=sys.stderr,
+    )
   codes = [p.returncode for p in processes]
   if code == 0:
     code = next((c for c in codes if c != 0), 0)

@@ -9,10 +9,8 @@ from zjax.cli.target import TargetError
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = _OneLineParser(
-      prog="zjax", description="ZeRO-3 fully sharded data parallelism for JAX.")
-  subparsers = parser.add_subparsers(dest="subcommand", required=True,
-                                     parser_class=_OneLineParser)
+  parser = _OneLineParser(prog="zjax", description="ZeRO-3 fully sharded data parallelism for JAX.")
+  subparsers = parser.add_subparsers(dest="subcommand", required=True, parser_class=_OneLineParser)
   inspect_cmd.add_parser(subparsers)
   train_cmd.add_parser(subparsers)
   bench_cmd.add_parser(subparsers)

@@ -28,16 +28,22 @@ def load_target(spec: str) -> Target:
   """Import `spec` = "path/to/file.py:function" or "package.module:function" and call it."""
   where, sep, func_name = spec.rpartition(":")
   if not sep or not where or not func_name:
-    raise TargetError(f"Target {spec!r} must look like PATH.py:FUNCTION or MODULE:FUNCTION, "
-                      f"e.g. examples/gpt.py:inspect_gpt.")
+    raise TargetError(
+      f"Target {spec!r} must look like PATH.py:FUNCTION or MODULE:FUNCTION, "
+      f"e.g. examples/gpt.py:inspect_gpt."
+    )
   module = _import(where)
   func = getattr(module, func_name, None)
   if not callable(func):
-    available = sorted(n for n, v in vars(module).items()
-                       if callable(v) and not n.startswith("_") and
-                       getattr(v, "__module__", None) == module.__name__)
-    raise TargetError(f"{where} has no function {func_name!r}. Functions defined there: "
-                      f"{', '.join(available) or 'none'}.")
+    available = sorted(
+      n
+      for n, v in vars(module).items()
+      if callable(v) and not n.startswith("_") and getattr(v, "__module__", None) == module.__name__
+    )
+    raise TargetError(
+      f"{where} has no function {func_name!r}. Functions defined there: "
+      f"{', '.join(available) or 'none'}."
+    )
   return _check_result(spec, func())
 
 
@@ -57,24 +63,29 @@ def _import(where: str):
   try:
     return importlib.import_module(where)
   except ModuleNotFoundError as e:
-    raise TargetError(f"Cannot import module {where!r} ({e}); pass a file path or a module "
-                      f"on PYTHONPATH.") from None
+    raise TargetError(
+      f"Cannot import module {where!r} ({e}); pass a file path or a module on PYTHONPATH."
+    ) from None
 
 
 def _check_result(spec: str, result) -> Target:
   if not isinstance(result, tuple) or len(result) not in (3, 4, 5):
-    raise TargetError(f"{spec} must return (loss_fn, params, batch), (loss_fn, params, "
-                      f"batch, ZeroConfig) or (loss_fn, params, batch, ZeroConfig, "
-                      f"tensor_specs); it returned {type(result).__name__}"
-                      + (f" of length {len(result)}" if isinstance(result, tuple) else "")
-                      + ".")
+    raise TargetError(
+      f"{spec} must return (loss_fn, params, batch), (loss_fn, params, "
+      f"batch, ZeroConfig) or (loss_fn, params, batch, ZeroConfig, "
+      f"tensor_specs); it returned {type(result).__name__}"
+      + (f" of length {len(result)}" if isinstance(result, tuple) else "")
+      + "."
+    )
   loss_fn, params, batch = result[:3]
   config = result[3] if len(result) >= 4 else None
   tensor_specs = result[4] if len(result) == 5 else None
   if not callable(loss_fn):
-    raise TargetError(f"{spec}: the first item must be the loss function, got "
-                      f"{type(loss_fn).__name__}.")
+    raise TargetError(
+      f"{spec}: the first item must be the loss function, got {type(loss_fn).__name__}."
+    )
   if config is not None and not isinstance(config, ZeroConfig):
-    raise TargetError(f"{spec}: the fourth item must be a zjax.ZeroConfig, got "
-                      f"{type(config).__name__}.")
+    raise TargetError(
+      f"{spec}: the fourth item must be a zjax.ZeroConfig, got {type(config).__name__}."
+    )
   return Target(loss_fn, params, batch, config, tensor_specs)

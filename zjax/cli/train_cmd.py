@@ -11,13 +11,18 @@ from zjax.job import settings as settings_lib
 
 def add_parser(subparsers) -> None:
   p = subparsers.add_parser(
-      "train", help="train the GPT example on the Python standard library's source",
-      description="Trains a byte-level GPT with ZeRO-3 on N devices (simulated CPU devices "
-                  "unless accelerators are present), with progress, validation, async "
-                  "checkpoints and automatic resume; writes metrics.json, loss.png and "
-                  "sample.txt to --out-dir. With no arguments: a few minutes on 2 CPU cores.")
-  p.add_argument("--config", metavar="FILE", help="JSON or TOML file of settings (same names "
-                 "as the flags, with underscores)")
+    "train",
+    help="train the GPT example on the Python standard library's source",
+    description="Trains a byte-level GPT with ZeRO-3 on N devices (simulated CPU devices "
+    "unless accelerators are present), with progress, validation, async "
+    "checkpoints and automatic resume; writes metrics.json, loss.png and "
+    "sample.txt to --out-dir. With no arguments: a few minutes on 2 CPU cores.",
+  )
+  p.add_argument(
+    "--config",
+    metavar="FILE",
+    help="JSON or TOML file of settings (same names as the flags, with underscores)",
+  )
   for field in dataclasses.fields(settings_lib.TrainSettings):
     flag = "--" + field.name.replace("_", "-")
     text = f"{settings_lib.HELP[field.name]} (default {field.default})"
@@ -26,8 +31,9 @@ def add_parser(subparsers) -> None:
     elif field.name in settings_lib.CHOICES:
       p.add_argument(flag, choices=settings_lib.CHOICES[field.name], default=None, help=text)
     else:
-      p.add_argument(flag, type=type(field.default), default=None, metavar=field.name.upper(),
-                     help=text)
+      p.add_argument(
+        flag, type=type(field.default), default=None, metavar=field.name.upper(), help=text
+      )
   p.set_defaults(run=run)
 
 
@@ -43,7 +49,9 @@ def run(args) -> int:
     return 2
   devices.setup(settings.devices)
   from rich.console import Console  # after the device setup: jax must not start earlier
+
   from zjax.job.run import TrainingStopped, train
+
   # piped output (logs, CI): no hard wrap at 80 columns
   console = Console()
   if not console.is_terminal:

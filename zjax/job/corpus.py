@@ -49,8 +49,10 @@ def stdlib_corpus(max_bytes: int) -> Corpus:
   if len(train) > 1 and not validation:  # a small budget: the last file validates
     validation.append(train.pop())
   if not train or not validation:
-    raise ValueError(f"The standard library at {root} has too little Python source for a "
-                     f"train/validation split ({count} files); raise corpus_bytes.")
+    raise ValueError(
+      f"The standard library at {root} has too little Python source for a "
+      f"train/validation split ({count} files); raise corpus_bytes."
+    )
   return Corpus(_tokens(train), _tokens(validation), str(root), count)
 
 
@@ -62,10 +64,9 @@ def _tokens(documents) -> np.ndarray:
   return tokens
 
 
-def batch_at(tokens: np.ndarray, step: int, batch_size: int, seq_len: int,
-             seed: int) -> np.ndarray:
+def batch_at(tokens: np.ndarray, step: int, batch_size: int, seq_len: int, seed: int) -> np.ndarray:
   """int32[batch, seq_len + 1] windows of `tokens`, a deterministic function of (seed,
   step): a resumed run sees the batches the uninterrupted run would have."""
   rng = np.random.default_rng([seed, step])
   starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size)
-  return np.stack([tokens[s:s + seq_len + 1] for s in starts]).astype(np.int32)
+  return np.stack([tokens[s : s + seq_len + 1] for s in starts]).astype(np.int32)

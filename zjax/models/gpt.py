@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 
 
-
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
   vocab_size: int = 257  # 256 byte values + end-of-text; deliberately not a multiple of 8
@@ -40,8 +39,12 @@ class GPTConfig:
 
 # MaxText-style rules: the vocab, the attention heads and the MLP width split over "tensor";
 # "embed" over "fsdp" (a data axis: zjax ignores it, it shards every leaf over them anyway).
-LOGICAL_AXIS_RULES = (("vocab", "tensor"), ("heads", "tensor"), ("mlp", "tensor"),
-                      ("embed", "fsdp"))
+LOGICAL_AXIS_RULES = (
+  ("vocab", "tensor"),
+  ("heads", "tensor"),
+  ("mlp", "tensor"),
+  ("embed", "fsdp"),
+)
 
 
 def _init(cfg: GPTConfig, init, names):
@@ -50,15 +53,23 @@ def _init(cfg: GPTConfig, init, names):
 
 
 def _dense(cfg: GPTConfig, features: int, names, name: str, use_bias: bool = True):
-  return nn.Dense(features, use_bias=use_bias, dtype=cfg.dtype, name=name,
-                  kernel_init=_init(cfg, nn.initializers.lecun_normal(), names),
-                  bias_init=_init(cfg, nn.initializers.zeros_init(), names[1:]))
+  return nn.Dense(
+    features,
+    use_bias=use_bias,
+    dtype=cfg.dtype,
+    name=name,
+    kernel_init=_init(cfg, nn.initializers.lecun_normal(), names),
+    bias_init=_init(cfg, nn.initializers.zeros_init(), names[1:]),
+  )
 
 
 def _layer_norm(cfg: GPTConfig, name: str):
-  return nn.LayerNorm(dtype=cfg.dtype, name=name,
-                      scale_init=_init(cfg, nn.initializers.ones_init(), ("embed",)),
-                      bias_init=_init(cfg, nn.initializers.zeros_init(), ("embed",)))
+  return nn.LayerNorm(
+    dtype=cfg.dtype,
+    name=name,
+    scale_init=_init(cfg, nn.initializers.ones_init(), ("embed",)),
+    bias_init=_init(cfg, nn.initializers.zeros_init(), ("embed",)),
+  )
 
 
 class Attention(nn.Module):
@@ -103,6 +114,7 @@ class Block(nn.Module):
 
 class ScanBlock(nn.Module):
   """`Block` with nn.scan's (carry, x) -> (carry, y) signature."""
+
   cfg: GPTConfig
 
   @nn.compact
@@ -117,16 +129,30 @@ class GPT(nn.Module):
   @nn.compact
   def __call__(self, tokens):
     cfg = self.cfg
-    embed = nn.Embed(cfg.padded_vocab, cfg.d_model, name="embed", embedding_init=_init(
-        cfg, nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0),
-        ("vocab", "embed")))
-    pos = self.param("pos_embed", _init(cfg, nn.initializers.normal(0.02), (None, "embed")),
-                     (cfg.seq_len, cfg.d_model))
-    x = (embed(tokens) + pos[:tokens.shape[1]]).astype(cfg.dtype)
+    embed = nn.Embed(
+      cfg.padded_vocab,
+      cfg.d_model,
+      name="embed",
+      embedding_init=_init(
+        cfg,
+        nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0),
+        ("vocab", "embed"),
+      ),
+    )
+    pos = self.param(
+      "pos_embed",
+      _init(cfg, nn.initializers.normal(0.02), (None, "embed")),
+      (cfg.seq_len, cfg.d_model),
+    )
+    x = (embed(tokens) + pos[: tokens.shape[1]]).astype(cfg.dtype)
     if cfg.scan_layers:
-      stack = nn.scan(ScanBlock, variable_axes={"params": 0}, split_rngs={"params": True},
-                      length=cfg.n_layer,  # the stacked axis's logical name (MaxText's):
-                      metadata_params={nn.PARTITION_NAME: "layers"})
+      stack = nn.scan(
+        ScanBlock,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        length=cfg.n_layer,  # the stacked axis's logical name (MaxText's):
+        metadata_params={nn.PARTITION_NAME: "layers"},
+      )
       x, _ = stack(cfg, name="layers")(x, None)
     else:
       block = nn.remat(Block) if cfg.remat else Block
@@ -157,6 +183,7 @@ def abstract_setup(cfg: GPTConfig, batch_size: int = 8):
   """(loss_fn, params shapes, batch shapes) without allocating anything."""
   model = GPT(cfg)
   batch = {"tokens": jax.ShapeDtypeStruct((batch_size, cfg.seq_len + 1), jnp.int32)}
-  params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(
-      (batch_size, cfg.seq_len), jnp.int32)))
+  params = jax.eval_shape(
+    lambda: model.init(jax.random.key(0), jnp.zeros((batch_size, cfg.seq_len), jnp.int32))
+  )
   return make_loss_fn(model), params, batch

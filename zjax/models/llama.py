@@ -35,19 +35,30 @@ class LlamaConfig:
 # About 1.07e9 parameters: the "1B-class" model of the GPU suite.
 LLAMA_1B = LlamaConfig()
 # A few thousand parameters, for CPU runs of the same code (`--tiny`).
-LLAMA_TINY = LlamaConfig(vocab=64, d_model=32, layers=3, heads=4, kv_heads=2, d_ff=64,
-                         seq_len=16)
+LLAMA_TINY = LlamaConfig(vocab=64, d_model=32, layers=3, heads=4, kv_heads=2, d_ff=64, seq_len=16)
 
 
 def param_shapes(cfg: LlamaConfig, dtype: Any = jnp.float32) -> dict:
   """The params as `jax.ShapeDtypeStruct`s (nothing allocated)."""
   s = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
   d, kv = cfg.d_model, cfg.kv_heads * cfg.head_dim
-  layer = lambda: {"attn_norm": s(d), "wq": s(d, d), "wk": s(d, kv), "wv": s(d, kv),  # noqa
-                   "wo": s(d, d), "mlp_norm": s(d), "w_gate": s(d, cfg.d_ff),
-                   "w_up": s(d, cfg.d_ff), "w_down": s(cfg.d_ff, d)}
-  return {"embed": s(cfg.vocab, d), "layers": [layer() for _ in range(cfg.layers)],
-          "final_norm": s(d), "head": s(d, cfg.vocab)}
+  layer = lambda: {
+    "attn_norm": s(d),
+    "wq": s(d, d),
+    "wk": s(d, kv),
+    "wv": s(d, kv),  # noqa
+    "wo": s(d, d),
+    "mlp_norm": s(d),
+    "w_gate": s(d, cfg.d_ff),
+    "w_up": s(d, cfg.d_ff),
+    "w_down": s(cfg.d_ff, d),
+  }
+  return {
+    "embed": s(cfg.vocab, d),
+    "layers": [layer() for _ in range(cfg.layers)],
+    "final_norm": s(d),
+    "head": s(d, cfg.vocab),
+  }
 
 
 def init_params(cfg: LlamaConfig, key, dtype: Any = jnp.float32) -> dict:
@@ -81,7 +92,7 @@ def host_params(cfg: LlamaConfig, seed: int = 0) -> dict:
     source = np.roll(block, -((i * 7919) % block.size))  # a different phase per leaf
     out, scale = np.empty(int(np.prod(x.shape)), np.float32), np.float32(x.shape[0] ** -0.5)
     for at in range(0, out.size, source.size):  # one pass: copy and scale
-      np.multiply(source[:out.size - at], scale, out=out[at:at + source.size])
+      np.multiply(source[: out.size - at], scale, out=out[at : at + source.size])
     return out.reshape(x.shape)
 
   return jax.tree.unflatten(treedef, [one(i, x) for i, x in enumerate(leaves)])
@@ -101,8 +112,9 @@ def train_flops_per_token(cfg: LlamaConfig) -> float:
 
 def cast_params(params, dtype):
   """Floating-point leaves as `dtype` (mixed precision for a plain-JAX baseline)."""
-  return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
-                      else x, params)
+  return jax.tree.map(
+    lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params
+  )
 
 
 def _rms_norm(x, scale):
@@ -158,5 +170,4 @@ def batch_shapes(cfg: LlamaConfig, batch_size: int) -> dict:
 
 
 def random_batch(cfg: LlamaConfig, batch_size: int, key) -> dict:
-  return {"tokens": jax.random.randint(key, (batch_size, cfg.seq_len + 1), 0, cfg.vocab,
-                                       jnp.int32)}
+  return {"tokens": jax.random.randint(key, (batch_size, cfg.seq_len + 1), 0, cfg.vocab, jnp.int32)}
