@@ -20,11 +20,23 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402  (must follow the cache settings)
+import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))  # example models are test fixtures too
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+  """Tiers (tests/README.md): slow tests first, so that the xdist workers finish together
+  instead of one waiting on a long test drawn last; `whole_machine` tests in one xdist group,
+  so that they run one after another (`--dist loadgroup`), never two at once."""
+  for item in items:
+    if item.get_closest_marker("whole_machine"):
+      item.add_marker(pytest.mark.xdist_group("whole_machine"))
+  items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
 
 
 # --- Suite statistics (opt-in): ZJAX_TEST_STATS=FILE.jsonl writes one line per test with its
@@ -37,7 +49,6 @@ if os.environ.get("ZJAX_TEST_STATS"):
   import subprocess
   import time
 
-  import pytest
   from jax import monitoring
 
   _counts = {"compiles": 0, "compile_s": 0.0, "cache_hits": 0, "subprocesses": 0}

@@ -4,9 +4,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 import zjax
 
 
+@pytest.mark.slow
 def test_bench_runs_and_writes_json_and_plots(tmp_path):
   done = subprocess.run(
     [

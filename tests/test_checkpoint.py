@@ -126,6 +126,7 @@ def test_save_right_after_init(tmp_path):
   assert int(restored.step) == 0
 
 
+@pytest.mark.slow
 def test_restore_on_8_4_1_8_devices_and_other_schedules(tmp_path):
   reference = trainer_for(8)
   ref_state = fresh_state(reference)
@@ -159,6 +160,7 @@ def test_restore_on_8_4_1_8_devices_and_other_schedules(tmp_path):
 SCAN_CFG = GPTConfig(d_model=32, n_layer=3, n_head=2, d_ff=64, seq_len=16, scan_layers=True)
 
 
+@pytest.mark.slow
 def test_scanned_model_restores_on_8_4_1_8_devices(tmp_path):
   """Stacked (per-layer) storage: 8 -> 4 re-pads each row, 4 -> 1 reads rows into
   replicated natural leaves, 1 -> 8 lays natural leaves out per layer again."""
@@ -179,6 +181,7 @@ def test_scanned_model_restores_on_8_4_1_8_devices(tmp_path):
   assert_bitwise(exported, jax.device_get(trainer.gather_params(state)))
 
 
+@pytest.mark.slow
 def test_restore_between_scanned_and_unrolled_use_of_the_same_params(tmp_path):
   """The same params, used by a scan (stacked storage) or by an unrolled loop (flat
   storage): a checkpoint of either restores into the other; and stacked rows re-padded
@@ -214,6 +217,7 @@ def test_restore_between_scanned_and_unrolled_use_of_the_same_params(tmp_path):
     target.step(restored, batch)  # and it trains on
 
 
+@pytest.mark.slow
 def test_export_params_equals_gather_params_and_loads_without_zjax(tmp_path):
   trainer = trainer_for(8)
   state, _ = trainer.step(fresh_state(trainer), batch_of(0))
@@ -248,6 +252,7 @@ _KILLED_SAVER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_export_holds_one_parameter_beyond_its_output(tmp_path):
   """Peak host memory of export_params in a fresh process: the output, plus the parameter
   being read, plus tensorstore's runtime (a constant ~8 MiB: thread pools, first-read
@@ -271,6 +276,7 @@ def test_export_holds_one_parameter_beyond_its_output(tmp_path):
   assert grown <= exported + largest + 12 * 2**20, (grown - exported) / 2**20
 
 
+@pytest.mark.slow
 def test_killed_save_leaves_the_previous_checkpoint(tmp_path):
   here = os.path.dirname(os.path.abspath(__file__))
   script = _KILLED_SAVER.format(
@@ -328,6 +334,7 @@ def _flip_bytes(path):
 
 
 # orbax's background reads of a damaged file fail again after the error was raised
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
 @pytest.mark.parametrize("damage", [_truncate, _flip_bytes])
@@ -399,6 +406,7 @@ def test_failed_saves_change_nothing(saved, tmp_path):
     zjax.CheckpointManager(blocker / "ckpt", trainer)
 
 
+@pytest.mark.slow
 def test_checkpointing_script_runs(tmp_path):
   """examples/checkpointing.py at tiny size (structure only, never speed)."""
   root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")

@@ -138,6 +138,7 @@ def test_bad_knob_value(capsys):
   assert code == 2 and "max_live_parameters must be > 0" in err
 
 
+@pytest.mark.slow
 def test_console_script_is_installed():
   exe = shutil.which("zjax")
   assert exe, "the zjax console script is not on PATH: install the package (pip install -e .)"

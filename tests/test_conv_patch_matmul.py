@@ -95,6 +95,7 @@ CONVS = {  # name -> (image shape, kernel shape, conv args)
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CONVS))
 def test_patch_matmuls_equal_the_convolution_and_its_vjp(name):
   image_shape, kernel_shape, conv_args = CONVS[name]
@@ -179,6 +180,7 @@ def picked_convs(loss_fn, params, batch, trained=None):
   }
 
 
+@pytest.mark.slow
 def test_the_rule_picks_kernels_that_outweigh_their_patches():
   params, batch = deep_case(batch_size=1)  # one device's batch
   # the stem's 64 output positions outnumber its 8 output features; the others have 16
@@ -221,6 +223,7 @@ def test_the_rule_picks_kernels_that_outweigh_their_patches():
   }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [8, 4])
 @pytest.mark.parametrize("config", [REUSE0, SHARDED], ids=["reuse0", "sharded"])
 def test_gradients_and_collectives_match(n, config):
@@ -229,6 +232,7 @@ def test_gradients_and_collectives_match(n, config):
   assert_report_matches(schedule, compiled)
 
 
+@pytest.mark.slow
 def test_patch_matmuls_lower_a_weight_dominated_resnets_temp(monkeypatch):
   case = real_models.resnet18(width=32, image=16)
   now = case_temp(case, REUSE0)
@@ -264,6 +268,7 @@ def _relative_error(grads, exact) -> float:
   return (num / sum(float(np.sum(e**2)) for _, e in pairs)) ** 0.5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", [True, False], ids=["rule", "xla-conv"])
 def test_as_accurate_as_plain_fp32_on_an_ill_conditioned_resnet(rule, monkeypatch):
   """ResNet-18's layout with per-device BatchNorm at 2 samples per device (its last stage

@@ -62,6 +62,7 @@ def test_analysis_compile_keeps_barriers_and_cannot_run():
     analysis(jnp.ones(4))
 
 
+@pytest.mark.slow
 def test_a_script_that_still_sets_the_old_flag_runs_barrier_free_with_one_warning():
   """A user's own process-wide flag reaches neither value_and_grad nor the trainer."""
   code = (
@@ -122,6 +123,7 @@ def bench_gpt_steps():
   return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rolled", [True, False], ids=["rolled", "unrolled"])
 def test_the_cpu_executed_step_differs_from_the_analysed_one_only_by_merged_gathers(
   bench_gpt_steps, rolled

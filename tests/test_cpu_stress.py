@@ -10,9 +10,13 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
+@pytest.mark.whole_machine
 def test_stress_harness_short_run(tmp_path):
   out = tmp_path / "stress.json"
   done = subprocess.run(

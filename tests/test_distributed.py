@@ -59,6 +59,8 @@ def assert_params(a, b, rtol, atol):
     np.testing.assert_allclose(a[key], b[key], rtol=rtol, atol=atol, err_msg=key)
 
 
+@pytest.mark.slow
+@pytest.mark.whole_machine
 @pytest.mark.parametrize("layout", ["--hsdp", "--hpz"])
 def test_hsdp_across_two_processes_equals_one_process_and_flat(tmp_path, layout):
   """Replicate axis across processes (one per "node"), shard axis inside each (hpZ: storage
@@ -79,6 +81,8 @@ def test_hsdp_across_two_processes_equals_one_process_and_flat(tmp_path, layout)
   assert_params(a["params"], b["params"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.whole_machine
 def test_two_processes_train_like_one_and_checkpoints_cross(tmp_path):
   two = launch(
     "--steps", "5", "--out", str(tmp_path / "two.json"), "--save", str(tmp_path / "ck_two")
@@ -110,12 +114,16 @@ def test_two_processes_train_like_one_and_checkpoints_cross(tmp_path):
   assert_params(read(tmp_path / "r2.json")["params"], b["params"], rtol=0, atol=0)
 
 
+@pytest.mark.slow
+@pytest.mark.whole_machine
 def test_processes_with_different_models_fail_instead_of_hanging():
   done = launch("--steps", "1", "--layers", "1,2")
   assert done.returncode != 0
   assert "traced a different schedule than process 0" in done.stdout, done.stdout[-3000:]
 
 
+@pytest.mark.slow
+@pytest.mark.whole_machine
 def test_a_dead_process_stops_the_run_within_the_timeout():
   done = launch("--steps", "6", "--die-at-step", "2", timeout=10)
   assert done.returncode != 0
@@ -124,6 +132,8 @@ def test_a_dead_process_stops_the_run_within_the_timeout():
   assert stopped <= 10 + 5, done.stderr[-2000:]
 
 
+@pytest.mark.slow
+@pytest.mark.whole_machine
 def test_a_failing_process_stops_the_run_within_the_timeout():
   """Process 1 raises while process 0 waits for it in a collective. Python's exit would
   wait in jax.distributed's shutdown for process 0 (300 s: the run hung); process 1 exits

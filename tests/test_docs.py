@@ -95,6 +95,7 @@ def readme_namespace(tmp_path_factory):
   return namespace
 
 
+@pytest.mark.slow
 def test_readme_example_runs(readme_namespace):
   assert "zjax schedule v2: 8 device(s)" in readme_namespace["_printed"]
   assert int(readme_namespace["state"].step) == 3
@@ -102,6 +103,7 @@ def test_readme_example_runs(readme_namespace):
   assert readme_namespace["exported"]["params"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "page",
   [p for p in _python_pages() if p.name != "README.md"],
@@ -128,6 +130,7 @@ def commands(block: Block) -> list[str]:
   return prompted or lines
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", CONSOLE, ids=str)
 def test_console_blocks_run(block):
   env = dict(

@@ -40,6 +40,7 @@ class CNN(nn.Module):
     return nn.Dense(10)(x.mean(axis=(1, 2)))
 
 
+@pytest.mark.slow
 def test_cnn():
   model = CNN()
   images = jax.random.normal(jax.random.key(0), (16, 8, 8, 3))
@@ -68,6 +69,7 @@ def gpt_setup(n_layer=2):
   return make_loss_fn(model), params, {"tokens": tokens}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [8, 4])
 def test_gpt_tied_embeddings_odd_vocab(n):
   loss, params, batch = gpt_setup()
@@ -85,6 +87,7 @@ def test_gpt_tied_embeddings_odd_vocab(n):
   assert not embedding.persistent and len(embedding.uses) == 2
 
 
+@pytest.mark.slow
 def test_nnx():
   from nnx_mlp import make_model, split_model
 
@@ -93,6 +96,7 @@ def test_nnx():
   assert_parity(loss, params, batch, config=zjax.ZeroConfig(param_persistence_threshold=64))
 
 
+@pytest.mark.slow
 def test_tied_and_reused_weights_sum_their_gradients():
   params = {
     "emb": jax.random.normal(jax.random.key(0), (32, 16)),
@@ -140,6 +144,7 @@ def test_param_used_outside_its_module():
   assert_parity(lambda p, b: jnp.mean((model.apply(p, b) - b) ** 2), params, x, config=SHARD_ALL)
 
 
+@pytest.mark.slow
 def test_unused_zero_sized_scalar_odd_and_int_leaves():
   params = {
     "unused": jnp.ones((5, 7)),
@@ -205,6 +210,7 @@ def test_cond_and_switch_branches(flag, choice):
   assert_no_collective_in_branches(compiled.as_text())
 
 
+@pytest.mark.slow
 def test_devices_taking_different_branches_do_not_deadlock():
   """Per-example predicates: devices take different branches. All gathers happen outside
   the branches, so the step completes and equals the mean of per-device computations."""
@@ -262,6 +268,7 @@ def test_remat_blocks():
   assert_parity(lambda p, b: jnp.mean(model.apply(p, b) ** 2), params, x, config=SHARD_ALL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fold", [True, False])
 def test_dropout_with_rng_in_batch(fold):
   """A 0-d key in the batch reaches device d as fold_in(key, d) (ZeroConfig.fold_rng_keys):
@@ -333,6 +340,7 @@ def test_explicit_and_auto_meshes_and_numpy_batch(explicit):
   assert_trees_close(zjax.unshard(g, schedule), ref_g)
 
 
+@pytest.mark.slow
 def test_numerics_do_not_depend_on_the_knobs():
   loss, params, batch = gpt_setup()
   configs = [
@@ -381,6 +389,7 @@ def test_bad_batch_and_mismatched_schedule():
     zjax.value_and_grad(loss, schedule, mesh=mesh_of(4))
 
 
+@pytest.mark.slow
 def test_scanned_gpt_gathers_the_stack_before_the_scan():
   from gpt import GPT, GPTConfig, make_loss_fn
 
@@ -398,6 +407,7 @@ def test_scanned_gpt_gathers_the_stack_before_the_scan():
   assert stacked and all(p.shape[0] == 3 for p in stacked)
 
 
+@pytest.mark.slow
 def test_lax_scan_fori_and_custom_derivatives():
   """(lax.while_loop is traced, but JAX cannot reverse-differentiate it: no parity test.)"""
   keys = jax.random.split(jax.random.key(0), 5)
@@ -427,6 +437,7 @@ def test_lax_scan_fori_and_custom_derivatives():
   assert_parity(loss, params, x, config=SHARD_ALL)
 
 
+@pytest.mark.slow
 def test_bf16_compute_halves_all_gather_bytes_and_stays_close():
   """Mixed precision: bf16 gathers and compute, fp32 gradient reduction and fp32 grads."""
   loss, params, batch = gpt_setup()

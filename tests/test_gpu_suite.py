@@ -191,6 +191,7 @@ def _run(args, **kwargs):
   return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, **kwargs)
 
 
+@pytest.mark.slow
 def test_tiny_suite_end_to_end(tmp_path):
   """The command a GPU machine runs, in tiny mode: every part that can run on CPU devices
   runs and writes its figures; the GPU-only ones say why they were skipped."""
@@ -239,6 +240,7 @@ def test_tiny_suite_end_to_end(tmp_path):
   assert "**no**" not in text and "## Errors" not in text
 
 
+@pytest.mark.slow
 def test_a_part_stopped_at_its_limit_keeps_what_it_recorded(tmp_path):
   """A part that outlives its limit is stopped; the items it finished stay in the results."""
   module = tmp_path / "slow_part.py"
@@ -270,6 +272,7 @@ def test_a_part_stopped_at_its_limit_keeps_what_it_recorded(tmp_path):
   assert "never" not in record["items"]
 
 
+@pytest.mark.slow
 def test_compile_part_skips_items_past_its_deadline(tmp_path):
   done = _run(
     ["zjax.bench.gpu_compile", "--out", str(tmp_path), "--tiny", "--deadline", "0"], timeout=300
@@ -282,6 +285,7 @@ def test_compile_part_skips_items_past_its_deadline(tmp_path):
   )
 
 
+@pytest.mark.slow
 def test_bad_arguments_name_the_flag(tmp_path):
   a_file = tmp_path / "file"
   a_file.write_text("")

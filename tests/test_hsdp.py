@@ -69,6 +69,7 @@ MODELS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -184,6 +185,7 @@ def gpt_reference():
   )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "layout,shape",
   [("hsdp", (2, 4)), ("hsdp", (4, 2)), ("hpz", (2, 4)), ("hpz", (4, 2)), ("flat2d", (2, 4))],
@@ -200,6 +202,7 @@ def test_five_adamw_steps_equal_optax_and_flat_zero3(gpt_reference, layout, shap
   assert_trees_close(trainer.gather_params(state), flat_params, rtol=1e-5, atol=PARAM_ATOL)
 
 
+@pytest.mark.slow
 def test_checkpoints_move_between_flat_hsdp_and_hpz_bitwise(tmp_path):
   """flat 8 -> HSDP 2x4 -> hpZ 4x2 -> flat 4, a step on each."""
   loss, params, batch = gpt_setup()
@@ -292,6 +295,7 @@ def test_bad_hsdp_input_is_named():
     zjax.value_and_grad(loss, flat, mesh=mesh)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["hsdp", "hpz"])
 def test_clipping_accumulation_sub_groups_and_frozen_params(layout):
   """The global gradient norm counts each element once (not once per replica); clipping,
@@ -319,6 +323,7 @@ def test_clipping_accumulation_sub_groups_and_frozen_params(layout):
   np.testing.assert_array_equal(trained["layer1"]["kernel"], params["layer1"]["kernel"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["hsdp", "hpz"])
 def test_bf16_compute_equals_flat_bf16(layout):
   """Each device computes the same share in bf16 as on a flat 8-device mesh (the data axis
@@ -342,6 +347,7 @@ def test_bf16_compute_equals_flat_bf16(layout):
   assert_trees_close(results[0][1], results[1][1], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_outside_style_models_under_hsdp(name):
   """tests/real_models.py on a 2x4 mesh; the ResNet synchronises BatchNorm over both data
@@ -417,6 +423,7 @@ def test_hpz_schedule_shows_and_checks_its_secondary_partition():
     zjax.ZeroConfig(secondary_partition=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt", "scanned_gpt"])
 def test_memory_of_each_layout_as_predicted(name):
   """Per-device state: HSDP 1/S, flat and hpZ 1/(R*S) of each sharded parameter (+ the
@@ -450,6 +457,7 @@ def test_memory_of_each_layout_as_predicted(name):
     assert 0.7 * secondary <= extra, (extra, secondary)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["hsdp", "hpz"])
 @pytest.mark.parametrize("name", ["scanned_gpt", "tied_cond"])
 def test_five_adamw_steps_of_the_scanned_and_tied_models(name, layout):

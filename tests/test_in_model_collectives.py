@@ -38,6 +38,7 @@ def test_loss_normalised_by_a_global_count_equals_the_full_batch(n):
   assert_trees_close(grads, ref_grads)
 
 
+@pytest.mark.slow
 def test_axis_index_and_pmean_of_a_metric():
   loss_fn, params, batch = mlp(num_layers=2)
 
@@ -82,6 +83,7 @@ def _bn_case(axis_name):
   return make_loss(model), make_loss(_Net(None)), variables["params"], {"x": x}, extra
 
 
+@pytest.mark.slow
 def test_batchnorm_on_the_models_own_axis_name_via_config():
   """nn.BatchNorm(axis_name="batch"): name zjax's axis "batch" (config and mesh)."""
   loss, full, params, batch, extra = _bn_case("batch")

@@ -56,6 +56,7 @@ def example(name, *args, cwd=ROOT / "examples"):
   return done.stdout
 
 
+@pytest.mark.slow
 def test_train_end_to_end_then_resume_on_other_devices_scanned(tmp_path):
   out = tmp_path / "run"
   first = zjax_cli(
@@ -141,6 +142,7 @@ def test_train_end_to_end_then_resume_on_other_devices_scanned(tmp_path):
   assert "exported" in printed and "next byte" in printed
 
 
+@pytest.mark.slow
 def test_train_unrolled_in_bf16_with_quantized_communication_and_offload(tmp_path):
   done = zjax_cli(
     "train",
@@ -172,6 +174,7 @@ def test_train_unrolled_in_bf16_with_quantized_communication_and_offload(tmp_pat
   assert "masters + adam state (host)" in done.stdout
 
 
+@pytest.mark.slow
 def test_train_tensor_parallel_then_resume_without_it(tmp_path):
   """--tensor-parallel 2: a (4, 2) mesh of (fsdp, tensor); the data-axis collectives are the
   schedule's, the tensor axis's are GSPMD's; the checkpoint resumes on 2 devices without
@@ -210,6 +213,7 @@ def test_train_tensor_parallel_then_resume_without_it(tmp_path):
   assert summary["tensor_axis_collective_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_skipped_steps_are_printed_counted_and_too_many_stop_the_run(tmp_path):
   """A learning rate that makes the loss overflow: every skipped step is a line; after 3
   in a row the run saves the last good state and exits 1 saying what to check."""
@@ -241,6 +245,7 @@ def zjax_cli_checkpoints(out):
   return sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
 
 
+@pytest.mark.slow
 def test_resume_with_another_model_fails_clearly(tmp_path):
   """Scanned and unrolled layers are different parameter trees: no silent mix-up."""
   out = str(tmp_path / "run")
@@ -251,6 +256,7 @@ def test_resume_with_another_model_fails_clearly(tmp_path):
   assert done.returncode == 2 and "saved from a different model" in done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "args, message",
   [
@@ -290,11 +296,13 @@ def test_config_file_with_an_unknown_key_or_value(tmp_path, text, message):
   assert sorted(p.name for p in tmp_path.iterdir()) == ["run.toml"]
 
 
+@pytest.mark.slow
 def test_linen_training_example():
   printed = example("train_linen.py", "--steps", "2", "--devices", "2", "--d-model", "32")
   assert "step 1: loss" in printed and "logits (1, 64, 257)" in printed
 
 
+@pytest.mark.slow
 def test_nnx_training_example():
   printed = example("train_nnx.py", "--steps", "3", "--devices", "2")
   assert "step 2: loss" in printed and "accuracy" in printed

@@ -52,6 +52,7 @@ def loop_steps(schedule):
   return [st for st in schedule.forward + schedule.backward if st.op == ir.LOOP_OP]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [PREFETCH, NO_PREFETCH], ids=["prefetch", "no-prefetch"])
 @pytest.mark.parametrize("n", [8, 4])
 def test_lax_scan_stack_parity(n, config):
@@ -88,6 +89,7 @@ def test_a_scan_reading_a_float_no_parameter_reaches_through_a_while_loop():
   assert [st.length for st in loop_steps(schedule)] == [num_layers, num_layers]
 
 
+@pytest.mark.slow
 def test_reverse_scan_parity():
   assert_parity(*scan_stack(num_layers=3, reverse=True), config=PREFETCH)
 
@@ -146,6 +148,7 @@ def gpt_scan_setup(n_layer=3, remat=False):
 GPT_CONFIG = zjax.ZeroConfig(param_persistence_threshold=256)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
 def test_linen_nn_scan_gpt_parity(remat):
   schedule, _ = assert_parity(*gpt_scan_setup(remat=remat), config=GPT_CONFIG)
@@ -155,6 +158,7 @@ def test_linen_nn_scan_gpt_parity(remat):
   assert all("['layers']" in path for path in stacked)
 
 
+@pytest.mark.slow
 def test_scanned_gpt_trains_like_optax():
   from test_train import assert_training_parity, same_batch
 
@@ -232,6 +236,7 @@ def per_device_reference(loss_fn, params, batch, n):
   )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [8, 2])
 def test_cond_and_switch_gather_outside_the_branches(n):
   """Devices take different branches (n=8: half each way) and nothing deadlocks: every
@@ -269,6 +274,7 @@ def test_untaken_branch_gets_zero_gradient():
 # ---- the compiled program against the schedule ------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [PREFETCH, NO_PREFETCH], ids=["prefetch", "no-prefetch"])
 def test_while_bodies_hold_the_per_iteration_collectives(config):
   schedule, _, _, compiled = run_zjax(*scan_stack(num_layers=5), config=config)
@@ -302,6 +308,7 @@ def test_while_bodies_hold_the_per_iteration_collectives(config):
     assert executed[f"{kind}_bytes"] == report[f"{kind}_bytes"], kind
 
 
+@pytest.mark.slow
 def test_gpt_scan_collectives_equal_the_report():
   schedule, _, _, compiled = run_zjax(*gpt_scan_setup(), config=GPT_CONFIG)
   executed, report = hlo.executed(compiled.as_text()), schedule.report()
@@ -354,6 +361,7 @@ def _backward_loop_dtypes(schedule):
   ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [8, 2])
 def test_scan_leaves_out_re_gathers_the_backward_does_not_read(n):
   """A scan's backward loop re-gathers an integer leaf only where its vjp reads it, so the
@@ -496,6 +504,7 @@ def test_adamw_state_is_per_layer_sharded():
   np.testing.assert_array_equal(trainer.gather_params(state)["w"].shape, (4, D, D))
 
 
+@pytest.mark.slow
 def test_compile_time_script_runs():
   """examples/depth_compile_time.py at tiny size (structure only, never speed)."""
   root = pathlib.Path(__file__).resolve().parents[1]

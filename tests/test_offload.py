@@ -67,6 +67,7 @@ def assert_bitwise(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "n, config",
   [
@@ -102,6 +103,7 @@ def test_offloaded_training_equals_training_on_the_device(n, config):
   assert zjax.per_device_bytes(offloaded, "pinned_host") == pytest.approx(3 * share, rel=1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", PARAM_OFFLOAD_CASES)
 def test_offloaded_params_train_like_the_device(case):
   """offload_params (ZeRO-Infinity): the parameter copies live in host memory too, and the
@@ -163,6 +165,7 @@ def _is_host(var):
   return getattr(var.aval, "memory_space", None) == jax.memory.Space.Host
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", PARAM_OFFLOAD_CASES)
 def test_each_gather_brings_its_shards_from_the_host(case):
   """Given shards in host memory, the executor moves each bucket's shards to the device
@@ -198,6 +201,7 @@ def test_each_gather_brings_its_shards_from_the_host(case):
   assert_bitwise(step(on_host, batch), step(on_device, batch))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["resnet_syncbn", "nnx_gqa"])
 def test_outside_style_models_train_offloaded_like_on_the_device(name):
   """Models not written for zjax (tests/real_models.py): a ResNet with synchronised
@@ -226,6 +230,7 @@ def test_outside_style_models_train_offloaded_like_on_the_device(name):
   assert_bitwise(runs[1][1:], runs[0][1:])
 
 
+@pytest.mark.slow
 def test_clipping_accumulation_and_nonfinite_steps_offloaded():
   loss, params, _ = gpt(2)
   batch = {"tokens": jax.random.randint(jax.random.key(3), (16, 17), 0, 257)}
@@ -256,6 +261,7 @@ def test_clipping_accumulation_and_nonfinite_steps_offloaded():
     raising.step(raising.init(params), bad)
 
 
+@pytest.mark.slow
 def test_checkpoints_move_between_offloaded_and_not(tmp_path):
   """Saved from host memory, restored into it (on another device count), and across:
   bitwise the same parameters and optimizer state, the same next step."""
@@ -346,6 +352,7 @@ def _wide_mlp(layers=6, width=256):
   return loss, params, batch
 
 
+@pytest.mark.slow
 def test_the_update_streams_sub_group_by_sub_group():
   """Sub-groups of one weight each: bitwise the same training as one group and as no
   offload (clipping: a global norm); the plan's bytes; group g moves to the device only
@@ -495,6 +502,7 @@ def test_dependencies_follow_calls_and_state_owners_follow_paths():
   }
 
 
+@pytest.mark.slow
 def test_offload_memory_script_runs():
   """examples/offload_memory.py at tiny size (structure only; its numbers are in the
   docs/offload.md): every run's bytes per parameter / N, the offloaded ones' masters on the host."""

@@ -58,6 +58,7 @@ def test_refusal_is_cached_and_names_the_parameter():
       zjax.zero3(loss, muon, schedule, mesh=mesh).init(params)
 
 
+@pytest.mark.slow
 def test_label_pytree_falls_back_to_the_whole_tree():
   """A multi_transform whose labels are a pytree shaped like the params cannot run on the
   representatives' smaller tree: the check probes every leaf in the params' structure."""

@@ -37,6 +37,7 @@ def model(request):
   return request.param, case, jax.value_and_grad(case.loss_fn)(case.params, case.batch)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [8, 4])
 def test_gradients_match_with_every_parameter_persistent(model, n):
   name, case, (ref_loss, ref_grads) = model
@@ -47,6 +48,7 @@ def test_gradients_match_with_every_parameter_persistent(model, n):
   assert_trees_close(zjax.unshard(grads, schedule), ref_grads, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "config", [zjax.ZeroConfig(), RELEASE_EVERY_USE], ids=["defaults", "release-every-use"]
 )
@@ -106,6 +108,7 @@ def odd_model(d=32, vocab=48):
   return loss, params, {"tokens": tokens}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [8, 4])
 def test_tied_unused_empty_and_mixed_dtype_leaves(n):
   loss_fn, params, batch = odd_model()

@@ -72,6 +72,8 @@ def _cli(*args):
   return [sys.executable, "-m", "zjax.cli.main", *args]
 
 
+@pytest.mark.slow
+@pytest.mark.whole_machine
 def test_zjax_train_saves_on_sigterm_and_resumes_exactly(tmp_path):
   args = ["train", *TINY, "--steps", "30", "--lr", "1e-2", "--log-every", "1"]
   code, output = _run_until(_cli(*args, "--out-dir", str(tmp_path / "cut")), r"step 6/30")
@@ -110,6 +112,8 @@ def _launch(*args):
   )
 
 
+@pytest.mark.slow
+@pytest.mark.whole_machine
 def test_two_processes_save_the_same_step_on_sigterm_and_resume_exactly(tmp_path):
   args = ["--steps", "24", "--checkpoint", str(tmp_path / "ck")]
   code, output = _run_until(

@@ -44,6 +44,7 @@ def block_scales(x, q):
 # ---- the block-wise bound ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 @pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
 @pytest.mark.parametrize("n, block", [(1000, 256), (37, 16), (37, 5), (3, 256)])
@@ -108,6 +109,7 @@ def _local_rows(x, n):
   return flat.reshape(n, -1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [8, 4])
 def test_quantized_all_gather_equals_each_chunk_dequantized(n):
   q = Quantization("int8", 64)
@@ -170,6 +172,7 @@ def _executed(compiled):
   return hlo.executed(compiled.as_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "config",
   [
@@ -204,6 +207,7 @@ def test_compiled_collectives_equal_the_report_and_move_a_quarter(config):
     assert report["quantization"]["gather"]["scale_bytes"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout_name", ["hsdp", "hpz"])
 def test_quantized_on_a_two_axis_mesh(layout_name):
   """HSDP: gathers and all-to-alls within the shard group, shards then averaged over the
@@ -238,6 +242,7 @@ def test_quantized_on_a_two_axis_mesh(layout_name):
     assert 0 < report["secondary_bytes"] < 0.3 * plain.report()["secondary_bytes"]
 
 
+@pytest.mark.slow
 def test_odd_mixed_frozen_and_tiny_leaves():
   """Odd-shaped, bf16, unused, integer, empty leaves and a cond, in rolled blocks, on 3
   devices, some blocks frozen, int4 gradients: runs, and the program equals the report."""
@@ -284,6 +289,7 @@ def _train(config, steps, loss, params, batch, accumulation_steps=1, optimizer=A
   return trainer, state, losses
 
 
+@pytest.mark.slow
 def test_training_tracks_fp32_and_padding_stays_zero():
   loss, params, batch = gpt(2)
   _, _, fp32 = _train(ROLL, 6, loss, params, batch)
@@ -298,6 +304,7 @@ def test_training_tracks_fp32_and_padding_stays_zero():
     assert not np.any(layout.storage_padding(np.asarray(x), leaf.entry))
 
 
+@pytest.mark.slow
 def test_a_nonfinite_weight_is_never_hidden():
   """A NaN in a weight makes its whole quantization block NaN: the loss is not finite and
   the step is skipped (on_nonfinite="skip"), as without quantization."""
@@ -316,6 +323,7 @@ def test_a_nonfinite_weight_is_never_hidden():
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_accumulated_micro_batches_do_not_add_up_quantization_error():
   """zjax reduces each micro-batch's gradient (as DeepSpeed ZeRO-3 does), so qgZ quantizes
   once per micro-batch; the step's gradient is their mean, whose zero-mean, independent

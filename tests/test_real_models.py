@@ -69,6 +69,7 @@ def assert_same_outputs(case, out, ref_out):
     assert_trees_close(out[1], ref_out[1], rtol=RTOL, atol=ATOL)  # updated statistics
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("knobs", sorted(KNOBS))
 def test_gradients_match_and_the_report_equals_the_compiled_program(case, references, knobs):
   name, case = case
@@ -123,6 +124,7 @@ def reference_training(case, optimizer, steps):
   return p, extra, losses
 
 
+@pytest.mark.slow
 def test_three_trainer_steps_match_optax_and_checkpoints_round_trip(case, tmp_path):
   name, case = case
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9))

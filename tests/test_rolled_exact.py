@@ -166,6 +166,7 @@ def regathered_in_one_iteration(schedule) -> set[int]:
   return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [8, 4])
 @pytest.mark.parametrize("knobs", list(CONFIGS))
 @pytest.mark.parametrize("name", list(CASES))

@@ -66,6 +66,7 @@ def parted_loops(schedule):
   return [st for st in schedule.forward if st.op == ir.LOOP_OP and st.parts]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("leaves", [1, 2])
 def test_gpt_at_one_and_two_largest_leaves(leaves):
   case = MODELS["gpt"]()
@@ -78,6 +79,7 @@ def test_gpt_at_one_and_two_largest_leaves(leaves):
     assert parted_loops(out[True])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "bert"])
 def test_point_two_models_at_one_largest_leaf(name):
   case = MODELS[name]()
@@ -87,6 +89,7 @@ def test_point_two_models_at_one_largest_leaf(name):
   assert parted_loops(out[True])
 
 
+@pytest.mark.slow
 def test_release_after_every_use_without_prefetch_gathers_by_parts():
   """ZeRO-3's leanest regime: every bucket gathered at its use and released after it. A
   whole-layer loop would hold a layer (and prefetch the next); parts hold one sub-module."""
@@ -162,6 +165,7 @@ def while_loop_layers(num_layers=3, d=16):
   return real_models.Case(loss, params, batch, reference_loss_fn=loss)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parts", [False, True], ids=["whole-layer", "by-parts"])
 def test_a_rolled_layer_with_a_while_loop_on_a_batch_float(parts):
   """Rolled backward iterations differentiate only the loop inputs that depend on trained

@@ -114,6 +114,7 @@ def assert_rolled_equals_unrolled(loss, params, batch, config, rtol=1e-5, atol=1
 # ---- parity -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [8, 4])
 def test_unrolled_gpt_rolls_and_its_gradients_equal_plain_jax(n):
   schedule, _ = assert_parity(*gpt(4), n=n, config=ROLL)
@@ -131,6 +132,7 @@ def test_unrolled_gpt_rolls_and_its_gradients_equal_plain_jax(n):
   assert rolled[0].layers[3] == ("['params']['block_3']['attn']['qkv']['kernel']",)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_layer", [4, 16])
 def test_gpt_trains_like_optax_rolled_or_not(n_layer):
   loss, params, batch = gpt(n_layer)
@@ -163,6 +165,7 @@ class NNXNet(nnx.Module):
     return self.out(x)
 
 
+@pytest.mark.slow
 def test_nnx_unrolled_layers_roll():
   model = NNXNet(nnx.Rngs(0))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -179,6 +182,7 @@ def test_nnx_unrolled_layers_roll():
     assert rolled_lengths(schedule) == [3]
 
 
+@pytest.mark.slow
 def test_only_the_identical_layers_roll():
   loss, params, batch = net(widths=(64, 64, 64, 128))
   schedule, _ = assert_parity(loss, params, batch, config=NET)
@@ -189,6 +193,7 @@ def test_only_the_identical_layers_roll():
   assert rolled_lengths(schedule) == [2, 3]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "own_tables,n", [(True, 8), (False, 4)], ids=["tables-per-layer", "tables-shared"]
 )
@@ -208,6 +213,7 @@ def test_llama_style_layers_all_roll(own_tables, n):
     ), kind
 
 
+@pytest.mark.slow
 def test_t5_style_stacks_roll_after_the_layer_holding_the_position_bias():
   """T5: the first layer of each stack holds the relative position bias and hands it to
   the others; layers 1..L-1 of the encoder and of the decoder roll (dropout on: zjax
@@ -231,12 +237,14 @@ def test_t5_style_stacks_roll_after_the_layer_holding_the_position_bias():
     ), kind
 
 
+@pytest.mark.slow
 def test_griffin_style_remat_custom_vjp_scan_layers_roll():
   case = real_models.griffin(batch_size=8)
   schedule, _ = assert_parity(case.loss_fn, case.params, case.batch, config=ROLL)
   assert rolled_lengths(schedule) == [3], schedule.rolling
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
 def test_shared_weight_and_remat_blocks(remat):
   schedule, _ = assert_parity(*net(remat=remat), config=NET)
@@ -245,6 +253,7 @@ def test_shared_weight_and_remat_blocks(remat):
   assert not schedule.buckets[shared.bucket].stacked  # a loop const: gathered once
 
 
+@pytest.mark.slow
 def test_dropout_blocks_draw_the_same_masks_rolled_or_not():
   """Flax folds a hash of each block's name into its dropout key: a per-layer constant
   that the loop takes as a per-iteration input."""
@@ -252,11 +261,13 @@ def test_dropout_blocks_draw_the_same_masks_rolled_or_not():
   assert rolled_lengths(schedule) == [4]
 
 
+@pytest.mark.slow
 def test_bf16_compute_rolled_equals_unrolled():
   config = dataclasses.replace(ROLL, compute_dtype=jnp.bfloat16)
   assert_rolled_equals_unrolled(*gpt(4), config, rtol=2e-2, atol=2e-3)
 
 
+@pytest.mark.slow
 def test_frozen_blocks_split_the_run():
   loss, params, batch = net(widths=(64,) * 6)
   config = NET
@@ -275,6 +286,7 @@ def test_frozen_blocks_split_the_run():
   assert_trees_close(zjax.unshard(grads, schedule), ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["hsdp", "hpz"])
 def test_rolled_layers_on_a_two_axis_mesh(layout):
   config = dataclasses.replace(ROLL, replicate_axes=("data",), secondary_partition=layout == "hpz")
@@ -309,6 +321,7 @@ def test_rolled_layers_on_a_two_axis_mesh(layout):
 # ---- the compiled program ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_while_bodies_hold_one_layers_collectives():
   schedule, _, _, compiled = run_zjax(*gpt(4), config=ROLL)
   text, report = compiled.as_text(), schedule.report()
@@ -347,6 +360,7 @@ def _compiled(n_layer, config):
   )
 
 
+@pytest.mark.slow
 def test_program_does_not_grow_with_depth_and_temp_stays_below_unrolled():
   """What makes compile time flat: the rolled program's text holds the same collectives at
   any depth. Per-device temp: rolled <= unrolled."""
@@ -396,6 +410,7 @@ def test_rolled_layers_are_one_stacked_leaf_and_the_program_keeps_its_size_with_
   assert fusions(deep) == fusions(shallow)
 
 
+@pytest.mark.slow
 def test_trainer_on_stacked_storage_inits_steps_and_groups_like_optax():
   """init_from builds each stack row by row; sub-groups split at stacks; clipping by the
   global norm works across the stacked leaves (it matches optax, see the parity tests)."""
@@ -420,6 +435,7 @@ def test_trainer_on_stacked_storage_inits_steps_and_groups_like_optax():
   assert_trees_close(trainer.gather_params(state), ref_params, atol=PARAM_ATOL)
 
 
+@pytest.mark.slow
 def test_per_leaf_statistics_are_refused_on_stacks_and_work_unrolled():
   """LAMB's trust ratio is a per-leaf norm: on a rolled stack it would span every layer,
   so zero3 refuses it, naming the parameter and the fix; unrolled it trains."""
@@ -497,6 +513,7 @@ def test_schedule_file_round_trip_and_edited_layers():
     zjax.Schedule.from_json(json.dumps(data))
 
 
+@pytest.mark.slow
 def test_checkpoint_saved_rolled_restores_unrolled_and_back(tmp_path):
   loss, params, batch = gpt(4)
   mesh = mesh_of(8)
@@ -577,6 +594,7 @@ def edge_blocks(num_layers=4, d=12):
   return loss, params, {"x": jax.random.normal(keys[-1], (24, d))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [8, 3])
 def test_odd_mixed_unused_integer_empty_and_cond_leaves_roll(n):
   loss, params, batch = edge_blocks()
@@ -599,6 +617,7 @@ def test_odd_mixed_unused_integer_empty_and_cond_leaves_roll(n):
   assert_rolled_equals_unrolled(loss, params, batch, config, rtol=2e-2, atol=2e-3)
 
 
+@pytest.mark.slow
 def test_the_bench_model_trains_rolled_on_the_cpu_runtime():
   """The bench's default GPT (8 layers, d_model 128), rolled, 3 adamw steps like optax. A
   regression test for XLA CPU's collectives: ordering the loop's first gather after the
@@ -671,6 +690,7 @@ class HeadMaskedNet(nn.Module):
     return jnp.mean(x**2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "style,n", [("static slice", 8), ("static slice", 4), ("dynamic_slice", 8), ("gather", 8)]
 )

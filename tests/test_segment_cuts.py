@@ -47,6 +47,7 @@ def first_use(schedule, name):
   return min(entry.uses)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [8, 4])
 def test_the_cut_after_a_scale_moves_past_the_relu_a_residual_reads(n):
   params, batch = residual_case()

@@ -54,6 +54,7 @@ def lstm_case(batch_size=16, steps=6):
   return params, {"x": jax.random.normal(k[4], (batch_size, steps, 12))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [8, 4])
 @pytest.mark.parametrize("config", [REUSE0, SHARDED], ids=["reuse0", "sharded"])
 def test_lstm_gradients_and_collectives_match(n, config):
@@ -82,6 +83,7 @@ def test_a_matmul_in_a_scan_is_not_kept_per_step(monkeypatch):
   assert before - now >= 12 * 8 * 128 * 4, (now, before)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["rnn_lstm", "bilstm_scan"])
 def test_real_model_lstms_use_no_more_temp_than_gspmd(name):
   case = getattr(real_models, name)()

@@ -139,6 +139,7 @@ def storage_over_tensor(text, mesh, schedule):
   return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MESHES) + list(FLAT_3D))
 def test_mlp_parity_and_report_equals_hlo(name):
   mesh, params, schedule = setup(name, {"param_persistence_threshold": 8})
@@ -206,6 +207,7 @@ def scanned_setup(name, config_kw=None):
   return mesh, params, schedule
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MESHES) + list(FLAT_3D))
 def test_scanned_layers_store_and_gather_each_layers_slices(name):
   """A scan over stacked weights under tensor parallelism: each stacked leaf is stored
@@ -231,6 +233,7 @@ def ir_padded(size, n):
   return -(-size // n) * n
 
 
+@pytest.mark.slow
 def test_a_scan_body_with_a_while_loop_on_a_float_no_parameter_reaches():
   """The tensor-axis estimate traces a scan's backward iteration the way the loop runs it
   (differentiating only what depends on trained parameters): a while_loop on a float from
@@ -260,6 +263,7 @@ def test_a_scan_body_with_a_while_loop_on_a_float_no_parameter_reaches():
   step_matches_reference(loss, schedule, mesh, params, BATCH)
 
 
+@pytest.mark.slow
 def test_scanned_checkpoints_across_tensor_sizes_and_bad_specs(tmp_path):
   """A scanned run's checkpoint on (4, 2) restores bitwise on (2, 4), (2, 2, 2) and (8,)
   without tensor parallelism, and back; a spec splitting the scanned axis is refused."""
@@ -330,6 +334,7 @@ def test_persistent_tensor_parallel_leaves_of_rolled_layers(name):
   assert_report_equals_hlo(step, (sharded, BATCH), mesh, schedule)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scanned", [False, True], ids=["rolled", "scanned"])
 def test_explicit_data_axes_beside_an_auto_tensor_axis(scanned):
   """Data axes may be Explicit (jax.make_mesh's default) while the tensor axis is Auto:
@@ -421,6 +426,7 @@ def linen_case(model, sequence_parallel):
   return loss_fn, model.init(jax.random.key(0), x)["params"], x, rules
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["no_sp", "sp"])
 def test_annotated_linen_model(sequence_parallel):
   loss_fn, boxed, x, rules = linen_case(Stack(), sequence_parallel)
@@ -526,6 +532,7 @@ class ScanStack(nn.Module):
     return stack(name="layers")(x, None)[0]
 
 
+@pytest.mark.slow
 def test_scanned_annotated_linen_model_with_sequence_parallel_constraints():
   """The constraints (batch over fsdp, dropped; sequence over tensor) inside an nn.scan
   body: parity, report == HLO per data axis, no storage over tensor. (GSPMD's sequence
@@ -546,6 +553,7 @@ def test_scanned_annotated_linen_model_with_sequence_parallel_constraints():
   assert_report_equals_hlo(step, (sharded, x), mesh, schedule, megatron_layout=False)
 
 
+@pytest.mark.slow
 def test_trains_like_optax_and_checkpoints_across_tensor_sizes(tmp_path):
   mesh, params, schedule = setup("fsdp4_tensor2", {"param_persistence_threshold": 8}, f=F_FOR_T4)
   optimizer = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2))
@@ -758,6 +766,7 @@ def annotated_gpt_model(scan_layers=False):
 HPZ = {"secondary_partition": True, "max_reuse_distance": 0}  # backward re-gathers: hpZ's
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "name,layout,scan",
   [
@@ -796,6 +805,7 @@ def test_annotated_gpt_with_a_vocab_parallel_tied_embedding(name, layout, scan):
     assert schedule.report()["all_gather_bytes_by_axis"]["fsdp"] > 0  # secondary, over fsdp
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", [False, True], ids=["rolled", "scanned"])
 def test_init_from_builds_the_tensor_parallel_layout_from_a_boxed_init(scan):
   """zero3(...).init_from(model.init, ...) of the annotated GPT (boxed params) builds each
@@ -824,6 +834,7 @@ def test_init_from_builds_the_tensor_parallel_layout_from_a_boxed_init(scan):
   )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "quantization,roll", [(None, False), ("int8", False), (None, True), ("int8", True)]
 )
@@ -864,6 +875,7 @@ def test_hpz_keeps_each_tensor_ranks_secondary_slices(quantization, roll):
   assert_report_equals_hlo(step, (sharded, BATCH), mesh, schedule)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fsdp4_tensor2", "replica2_fsdp2_tensor2"])
 def test_nnx_gqa_decoder_of_the_real_models(name):
   from real_models import nnx_gqa
@@ -898,6 +910,7 @@ REAL_MODEL_PLANS = {  # torchtitan-style path rules for models not written for t
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", list(REAL_MODEL_PLANS))
 def test_real_models_roll_under_tensor_parallelism(model):
   """The BERT-style encoder (post-LN, biased q/k/v, heads split by reshape, a padding mask
@@ -925,6 +938,7 @@ def test_real_models_roll_under_tensor_parallelism(model):
   assert_report_equals_hlo(step, (sharded, case.batch), mesh, schedule, megatron_layout=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "layout", [{}, HPZ, {"roll_layers": False}], ids=["hsdp", "hpz", "hsdp_unrolled"]
 )
@@ -943,6 +957,7 @@ def test_accumulation_and_clipping_train_like_optax(layout):
   assert_trees_close(jax.device_get(trainer.gather_params(state)), ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("roll", [True, False], ids=["rolled", "unrolled"])
 def test_offloaded_training_is_bitwise_the_device_run(roll):
   """offload_optimizer + offload_params with TP leaves: the masters, the adam moments and
@@ -972,6 +987,7 @@ def test_offloaded_training_is_bitwise_the_device_run(roll):
   assert {x.sharding.memory_kind for x in jax.tree.leaves(everything)} == {"pinned_host"}
 
 
+@pytest.mark.slow
 def test_bf16_compute_with_quantized_gathers_and_reductions():
   """bf16 compute, qwZ int8 gathers and qgZ int8 gradient all-to-alls on the TP slices:
   the data-axis bytes are the (quantized) report's, and 5 steps track fp32 optax (bf16 and
@@ -1000,6 +1016,7 @@ def test_bf16_compute_with_quantized_gathers_and_reductions():
     np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=3e-2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("roll", [False, True], ids=["unrolled", "rolled"])
 def test_barriers_kept_and_steps_do_not_recompile(roll):
   """The program as a GPU orders it keeps every optimization barrier that the same schedule
@@ -1065,6 +1082,7 @@ def test_a_loss_with_its_own_shard_map_over_the_tensor_axis():
   assert_trees_close(zjax.unshard(grads, schedule), ref_grads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "persistence,segments,phases",
   [(0, 2, ("forward",)), (10**9, 1, ("forward", "backward"))],
@@ -1141,6 +1159,7 @@ OUT_SHARDED_CONFIG = zjax.ZeroConfig(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fsdp4_tensor2", "fsdp2_tensor4"])
 def test_nnx_out_sharding_under_tensor_parallelism(name):
   loss_fn, params, tokens = out_sharded_case()

@@ -237,6 +237,7 @@ def test_nnx_paths_and_owner():
   assert {p.owner for p in kernels} >= {"stem", "blocks/0", "head"}
 
 
+@pytest.mark.slow
 def test_shape_dtype_structs_give_the_same_table_as_arrays():
   from gpt import GPT, GPTConfig, make_loss_fn
 

@@ -66,6 +66,7 @@ def same_batch(batch, steps=10):
   return [batch] * steps
 
 
+@pytest.mark.slow
 def test_gpt_adamw_10_steps():
   from test_execute import gpt_setup
 
@@ -95,6 +96,7 @@ def test_gpt_adamw_10_steps():
   assert int(state.step) == 10
 
 
+@pytest.mark.slow
 def test_nnx_adamw_10_steps():
   from nnx_mlp import make_model, split_model
 
@@ -105,6 +107,7 @@ def test_nnx_adamw_10_steps():
   )
 
 
+@pytest.mark.slow
 def test_cnn_adamw_10_steps():
   from test_execute import CNN
 
@@ -125,6 +128,7 @@ def test_cnn_adamw_10_steps():
   )
 
 
+@pytest.mark.slow
 def test_clipping_active_and_exact():
   loss, params, batch = mlp(num_layers=3)
   ref_norm = optax.tree.norm(jax.grad(loss)(params, batch))
@@ -135,6 +139,7 @@ def test_clipping_active_and_exact():
   assert all(float(m["grad_norm"]) > threshold for m in metrics)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("by", ["name", "layer"])
 def test_masks_and_labels_by_path(by):
   """Masks and labels by parameter name hold on rolled layers (the same for every layer of
@@ -165,6 +170,7 @@ def test_masks_and_labels_by_path(by):
       zjax_run(loss, opt, params, [batch])
 
 
+@pytest.mark.slow
 def test_lamb_trust_ratios_are_exact():
   """Per-leaf trust ratios: exact on per-layer leaves (on rolled stacks they are refused,
   test_rolling.py)."""
@@ -202,6 +208,7 @@ def test_gradient_accumulation_equals_the_big_batch():
   assert_trees_close(trainer.gather_params(state), ref_params, rtol=1e-5, atol=PARAM_ATOL)
 
 
+@pytest.mark.slow
 def test_accumulation_folds_the_micro_batch_index_into_keys():
   """Micro-batch i sees fold_in(key, i) (then each device folds in its position): the step
   equals the mean of value_and_grad over the micro-batches with those keys."""
@@ -290,6 +297,7 @@ def test_max_consecutive_skips_stops_with_the_last_good_state():
       zjax.zero3(loss, optax.adam(1e-2), schedule, mesh=mesh, max_consecutive_skips=wrong)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n, explicit", [(1, True), (2, True), (4, True), (8, True), (8, False)])
 def test_state_bytes_per_device_match_the_schedule_and_scale(n, explicit):
   """Also on an Auto mesh, where jit would replicate adam's moments unless told."""
@@ -311,6 +319,7 @@ def test_state_bytes_per_device_match_the_schedule_and_scale(n, explicit):
   assert param_bytes <= (full - persistent) / n + persistent + 4 * 8 * len(schedule.params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [8, 4])
 def test_init_from_never_holds_the_whole_model(n):
   from gpt import GPT, GPTConfig, abstract_setup
@@ -372,6 +381,7 @@ def test_bf16_compute_trains_close_to_fp32():
     assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b)
 
 
+@pytest.mark.slow
 def test_frozen_params_are_gathered_but_not_reduced_or_optimized():
   loss, params, batch = mlp(num_layers=3)
   frozen = lambda path: path.startswith("['layer1']")
@@ -409,6 +419,7 @@ def test_frozen_params_are_gathered_but_not_reduced_or_optimized():
     zjax.compile_schedule(loss, params, batch, mesh=mesh, frozen={"layer1": True})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("roll", [False, True], ids=["unrolled", "rolled"])
 def test_sub_groups_give_identical_results(roll):
   from zjax._src.train import plan_sub_groups
@@ -440,6 +451,7 @@ class _BNNet(nn.Module):
     return nn.Dense(4)(nn.relu(x))
 
 
+@pytest.mark.slow
 def test_batch_statistics_as_extra_state():
   """loss_fn(params, batch, extra) -> (loss, new_extra): each device normalises with its own
   share of the batch (data parallel BatchNorm) and the new statistics are averaged."""
@@ -531,6 +543,7 @@ def test_nnx_batch_stats_recipe_from_the_readme():
   assert float(jnp.abs(mean).max()) > 0  # running statistics were updated
 
 
+@pytest.mark.slow
 def test_state_memory_script_runs():
   """examples/state_memory.py at tiny size (structure only)."""
   import pathlib

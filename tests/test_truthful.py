@@ -72,6 +72,7 @@ def test_collectives_equal_the_report(name, unrolled):
     assert hlo[f"{kind}_bytes"] == report[f"{kind}_bytes"], kind
 
 
+@pytest.mark.slow
 def test_gpt_collectives_equal_the_report():
   from test_execute import gpt_setup
 

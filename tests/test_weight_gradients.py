@@ -66,6 +66,7 @@ def prompt_ops(loss_fn, params, batch, trained=None, persistent=True):
   return picked
 
 
+@pytest.mark.slow
 def test_the_rule_picks_small_weights_on_differentiated_activations():
   params, batch = conv_case()
   # c1 reads the images (no cotangent wanted); the head's [8, 64] weight is smaller than
@@ -90,6 +91,7 @@ def test_a_transformer_projection_keeps_xlas_order():
   assert prompt_ops(loss, w, x) == {"['w']": False}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [8, 4])
 @pytest.mark.parametrize("config", [REUSE0, SHARDED], ids=["reuse0", "sharded"])
 def test_gradients_and_collectives_match(n, config):
@@ -103,6 +105,7 @@ def resnet18_w4():
   return real_models.resnet18(width=4)
 
 
+@pytest.mark.slow
 def test_prompt_weight_gradients_lower_a_resnets_temp(resnet18_w4, monkeypatch):
   now = case_temp(resnet18_w4, REUSE0)
   monkeypatch.setattr(segments, "_weight_gradient_first", lambda *_: False)

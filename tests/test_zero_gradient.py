@@ -60,6 +60,7 @@ def zero_gradient_paths(schedule):
   return sorted(p.path for p in schedule.params if p.zero_gradient)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [8, 4])
 @pytest.mark.parametrize("config", [PERSISTENT, SHARDED], ids=["persistent", "sharded"])
 @pytest.mark.parametrize("read", list(READS))
