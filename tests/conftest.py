@@ -18,6 +18,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="zjax-tests-xla-cache-")
   atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# LLVM's optimizations off (jax_disable_most_optimizations), here and in the subprocesses:
+# XLA's HLO passes still run in full, so the optimized program (its collectives, barriers,
+# fusions and memory assignment) is the one users get (tests/test_compile_mode.py checks
+# that); only its machine code is less optimized, which the suite's small programs do not
+# notice, and XLA compiles in half the time. JAX_DISABLE_MOST_OPTIMIZATIONS=0 runs it with
+# every optimization.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax  # noqa: E402  (must follow the cache settings)
 import pytest  # noqa: E402
@@ -26,6 +33,17 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))  # example models are test fixtures too
+
+
+@pytest.fixture
+def fully_optimized():
+  """Compiles with every optimization inside the test, as users' programs are: for tests of
+  rounding (against fp64, or two XLA programs to an ulp), which LLVM's code generation moves
+  (helpers.fully_optimized_compiles)."""
+  from helpers import fully_optimized_compiles
+
+  with fully_optimized_compiles():
+    yield
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -34,6 +34,21 @@ def compiles_logged():
     compiled += [r.getMessage() for r in records if "Compiling" in r.getMessage()]
 
 
+@contextlib.contextmanager
+def fully_optimized_compiles():
+  """Inside the block, XLA compiles with LLVM's optimizations on (the suite turns them off:
+  conftest.py). jax's caches are cleared on entry and exit (the flag is not part of their
+  keys), so nothing compiled in the other mode is reused inside or after the block."""
+  before = jax.config.values["jax_disable_most_optimizations"]
+  jax.clear_caches()
+  jax.config.update("jax_disable_most_optimizations", False)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_disable_most_optimizations", before)
+    jax.clear_caches()
+
+
 class LazyAnalysis:
   """A step compiled for analysis (zjax.hlo.compile_for_analysis) when first asked: its own
   compile, which most parity tests never need."""
@@ -81,7 +96,7 @@ def case_temp(case, config, n=8):
 
 def reference(loss_fn, params, batch):
   """Plain single-device jax.value_and_grad (integer leaves: zero gradient)."""
-  loss, grads = jax.value_and_grad(loss_fn, allow_int=True)(params, batch)
+  loss, grads = jax.jit(jax.value_and_grad(loss_fn, allow_int=True))(params, batch)
   grads = jax.tree.map(
     lambda g, p: jnp.zeros(p.shape, p.dtype) if g.dtype == jax.dtypes.float0 else g, grads, params
   )
