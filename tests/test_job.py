@@ -48,6 +48,20 @@ def zjax_cli(*args, cwd=None):
   )
 
 
+def zjax_cli_here(argv, cwd, monkeypatch, capsys):
+  """`zjax ARGV` run in this process from `cwd`, for input refused before any device is set
+  up: (exit code, stdout, stderr)."""
+  from zjax.cli.main import main
+
+  monkeypatch.chdir(cwd)
+  try:
+    code = main(argv)
+  except SystemExit as e:  # argparse's usage errors
+    code = e.code
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
 def example(name, *args, cwd=ROOT / "examples"):
   done = subprocess.run(
     [sys.executable, name, *args], capture_output=True, text=True, timeout=900, cwd=cwd
@@ -256,7 +270,6 @@ def test_resume_with_another_model_fails_clearly(tmp_path):
   assert done.returncode == 2 and "saved from a different model" in done.stderr
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
   "args, message",
   [
@@ -273,12 +286,21 @@ def test_resume_with_another_model_fails_clearly(tmp_path):
     (["--offload-params"], "offload_params needs offload_optimizer"),
   ],
 )
-def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, args, message):
-  done = zjax_cli("train", *args, cwd=tmp_path)
+def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, monkeypatch, capsys, args, message):
+  """In this process (`zjax_cli_here`); the shell's path once, below."""
+  code, _, err = zjax_cli_here(["train", *args], tmp_path, monkeypatch, capsys)
+  assert code == 2
+  lines = err.strip().splitlines()
+  assert len(lines) == 1 and message in lines[0], err
+  assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_bad_input_from_the_shell_is_one_clear_line_and_exit_2(tmp_path):
+  done = zjax_cli("train", "--batch", "12", "--devices", "8", cwd=tmp_path)
   assert done.returncode == 2
   lines = done.stderr.strip().splitlines()
-  assert len(lines) == 1 and message in lines[0], done.stderr
-  assert list(tmp_path.iterdir()) == []  # nothing written
+  assert len(lines) == 1 and "not divisible by the 8 data-parallel devices" in lines[0]
+  assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(
@@ -288,11 +310,11 @@ def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, args, message):
     ('gather_quantization = "int4"\n', "gather_quantization must be one of ['none', 'int8']"),
   ],
 )
-def test_config_file_with_an_unknown_key_or_value(tmp_path, text, message):
+def test_config_file_with_an_unknown_key_or_value(tmp_path, monkeypatch, capsys, text, message):
   config = tmp_path / "run.toml"
   config.write_text(text)
-  done = zjax_cli("train", "--config", str(config), cwd=tmp_path)
-  assert done.returncode == 2 and message in done.stderr
+  code, _, err = zjax_cli_here(["train", "--config", str(config)], tmp_path, monkeypatch, capsys)
+  assert code == 2 and message in err
   assert sorted(p.name for p in tmp_path.iterdir()) == ["run.toml"]
 
 
