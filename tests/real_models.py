@@ -20,7 +20,9 @@ non-parameter state (`extra`) and the plain single-device loss to compare with.
   bert           BERT-style post-LN encoder: q/k/v with biases, heads split by reshape, a
                  padding mask built once and added in every layer, tied MLM head
   mlp5           a 5-layer MLP written as a pure function over a list of dicts (the way
-                 equinox and plain-JAX users write one)
+                 plain-JAX users write one)
+  eqx_mlp        the same as equinox's eqx.nn.MLP computes it: weights [out, in], one
+                 example's matrix-vector products, jax.vmap over the batch
 """
 
 import dataclasses
@@ -664,6 +666,36 @@ def mlp5(batch_size=16, width=64, layers=5) -> Case:
   batch = {
     "x": jax.random.normal(jax.random.key(18), (batch_size, width)),
     "y": jax.random.normal(jax.random.key(19), (batch_size, width)),
+  }
+  return Case(loss_fn, params, batch, reference_loss_fn=loss_fn)
+
+
+def eqx_mlp(batch_size=32, in_size=16, width=64, out_size=4, depth=4) -> Case:
+  """eqx.nn.MLP(in_size, out_size, width, depth) as equinox runs it: `depth + 1` Linear
+  layers (weight [out, in], bias), relu between them, called on one example and vmapped
+  over the batch (equinox's own uniform init)."""
+  sizes = [in_size] + [width] * depth + [out_size]
+  keys = jax.random.split(jax.random.key(23), 2 * depth + 2)
+  params = []
+  for i, (d_in, d_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+    bound = 1 / np.sqrt(d_in)
+    uniform = functools.partial(jax.random.uniform, minval=-bound, maxval=bound)
+    params.append(
+      {"weight": uniform(keys[2 * i], (d_out, d_in)), "bias": uniform(keys[2 * i + 1], (d_out,))}
+    )
+
+  def one_example(p, x):
+    for i, layer in enumerate(p):
+      x = layer["weight"] @ x + layer["bias"]
+      x = jax.nn.relu(x) if i < len(p) - 1 else x
+    return x
+
+  def loss_fn(p, b):
+    return jnp.mean((jax.vmap(one_example, in_axes=(None, 0))(p, b["x"]) - b["y"]) ** 2)
+
+  batch = {
+    "x": jax.random.normal(jax.random.key(24), (batch_size, in_size)),
+    "y": jax.random.normal(jax.random.key(25), (batch_size, out_size)),
   }
   return Case(loss_fn, params, batch, reference_loss_fn=loss_fn)
 
