@@ -58,7 +58,7 @@ def gpt_case():
   cfg = GPTConfig(n_layer=4, d_model=64, n_head=4, d_ff=256, seq_len=32)
   model = GPT(cfg)
   tokens = jax.random.randint(jax.random.key(0), (16, cfg.seq_len + 1), 0, cfg.vocab_size)
-  params = model.init(jax.random.key(1), tokens[:, :-1])
+  params = jax.jit(model.init)(jax.random.key(1), tokens[:, :-1])
   return real_models.Case(make_loss_fn(model), params, {"tokens": tokens})
 
 

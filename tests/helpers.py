@@ -1,6 +1,7 @@
 """Shared test helpers: meshes of N simulated devices and the parity check against plain JAX."""
 
 import contextlib
+import functools
 import logging
 
 import jax
@@ -82,6 +83,18 @@ def analyse_zjax(loss_fn, params, batch, *, n=8, config=None):
   return schedule, zjax.hlo.compile_for_analysis(lowered)
 
 
+def init(model, *args, **kwargs):
+  """`model.init(*args, **kwargs)` of a Flax linen model, jitted once per model and keywords
+  in this process (linen modules compare and hash by their fields): run eagerly, XLA
+  compiled each of its ops as a program of its own."""
+  return _jitted_init(model, tuple(sorted(kwargs.items())))(*args)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_init(model, kwargs):
+  return jax.jit(functools.partial(model.init, **dict(kwargs)))
+
+
 def case_temp(case, config, n=8):
   """Compiled temp per device of zjax's gradient step for a `real_models.Case` (with its
   batch statistics, `extra`), compiled for analysis."""
@@ -114,12 +127,17 @@ def assert_parity(loss_fn, params, batch, *, n=8, config=None, rtol=RTOL, atol=A
 def steps_like_optax(trainer, state, loss_fn, optimizer, params, batch, steps):
   """Run `steps` trainer steps beside plain optax on one device, losses equal at rtol 1e-5;
   -> (the trainer's state, optax's params)."""
+
+  @jax.jit  # (op by op, XLA compiled each op of the model alone)
+  def ref_step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
   ref_params, ref_opt = params, optimizer.init(params)
   for _ in range(steps):
     state, metrics = trainer.step(state, batch)
-    ref_loss, grads = jax.value_and_grad(loss_fn)(ref_params, batch)
-    updates, ref_opt = optimizer.update(grads, ref_opt, ref_params)
-    ref_params = optax.apply_updates(ref_params, updates)
+    ref_params, ref_opt, ref_loss = ref_step(ref_params, ref_opt, batch)
     np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=RTOL)
   return state, ref_params
 

@@ -15,7 +15,7 @@ import pytest
 
 import real_models
 import zjax
-from helpers import assert_trees_close, fully_optimized_compiles
+from helpers import assert_trees_close, fully_optimized_compiles, init
 from zjax.models.gpt import GPT, GPTConfig, make_loss_fn
 
 
@@ -23,7 +23,7 @@ def _gpt_case():
   cfg = GPTConfig(n_layer=3, d_model=32, n_head=4, d_ff=128, seq_len=16)
   model = GPT(cfg)
   tokens = jax.random.randint(jax.random.key(0), (8, cfg.seq_len + 1), 0, cfg.vocab_size)
-  params = model.init(jax.random.key(1), tokens[:, :-1])
+  params = init(model, jax.random.key(1), tokens[:, :-1])
   mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
   config = zjax.ZeroConfig(
     param_persistence_threshold=1024, max_reuse_distance=0, replicate_axes=("data",)
@@ -45,10 +45,10 @@ def _without_metadata(hlo_text):
   return "\n".join(line for line in text.splitlines() if line.startswith(keep))
 
 
-def _compile(build):
+def _compile(case):
   """(executed program text, its memory, analysis program text, its memory, loss, grads),
-  everything built afresh (a new jitted step) in the current compile mode."""
-  loss_fn, params, batch, extra, mesh, config = build()
+  the step built afresh (schedule, placement, jitted step) in the current compile mode."""
+  loss_fn, params, batch, extra, mesh, config = case
   args, kw = ((batch,), {}) if extra is None else ((batch, extra), {"extra": extra})
   schedule = zjax.compile_schedule(loss_fn, params, batch, mesh=mesh, config=config, **kw)
   step = zjax.value_and_grad(loss_fn, schedule, mesh=mesh)
@@ -75,9 +75,10 @@ def _memory(stats):
 @pytest.mark.parametrize("build", [_gpt_case, _resnet_case], ids=["gpt-hsdp-reuse0", "resnet"])
 def test_the_suites_compile_mode_changes_no_hlo_and_no_memory(build):
   assert jax.config.values["jax_disable_most_optimizations"]  # the suite's mode
-  fast = _compile(build)
+  case = build()  # (the model's init: the same arrays for both)
+  fast = _compile(case)
   with fully_optimized_compiles():
-    full = _compile(build)
+    full = _compile(case)
   assert "all-gather" in fast[0] and "reduce-scatter" in fast[2]  # the programs compared
   assert fast[0] == full[0], "the executed program's optimized HLO differs"
   assert _memory(fast[1]) == _memory(full[1])

@@ -15,6 +15,7 @@ from helpers import (
   assert_trees_close,
   compiles_logged,
   custom_vjp_matmul,
+  init,
   mesh_of,
   mlp,
   run_zjax,
@@ -45,7 +46,7 @@ def test_cnn():
   model = CNN()
   images = jax.random.normal(jax.random.key(0), (16, 8, 8, 3))
   labels = jnp.arange(16) % 10
-  params = model.init(jax.random.key(1), images)
+  params = init(model, jax.random.key(1), images)
 
   def loss(p, b):
     logits = model.apply(p, b["x"])
@@ -65,7 +66,7 @@ def gpt_setup(n_layer=2):
   cfg = GPTConfig(d_model=64, n_layer=n_layer, n_head=4, d_ff=128, seq_len=16)
   model = GPT(cfg)
   tokens = jax.random.randint(jax.random.key(0), (8, cfg.seq_len + 1), 0, cfg.vocab_size)
-  params = model.init(jax.random.key(1), tokens[:, :-1])
+  params = init(model, jax.random.key(1), tokens[:, :-1])
   return make_loss_fn(model), params, {"tokens": tokens}
 
 
@@ -140,7 +141,7 @@ class _Tied(nn.Module):
 def test_param_used_outside_its_module():
   model = _Tied()
   x = jax.random.normal(jax.random.key(0), (8, 16))
-  params = model.init(jax.random.key(1), x)
+  params = init(model, jax.random.key(1), x)
   assert_parity(lambda p, b: jnp.mean((model.apply(p, b) - b) ** 2), params, x, config=SHARD_ALL)
 
 
@@ -222,9 +223,9 @@ def test_devices_taking_different_branches_do_not_deadlock():
   }
   loss = lambda p, b: cond_loss(p, {"x": b["x"], "flag": b["flag"][0], "choice": b["choice"][0]})
   _, zloss, grads, compiled = run_zjax(loss, COND_PARAMS, batch, config=SHARD_ALL)
+  device_grad = jax.jit(jax.value_and_grad(loss))
   per_device = [
-    jax.value_and_grad(loss)(COND_PARAMS, jax.tree.map(lambda a: a[i : i + 1], batch))
-    for i in range(8)
+    device_grad(COND_PARAMS, jax.tree.map(lambda a: a[i : i + 1], batch)) for i in range(8)
   ]
   assert (
     len(
@@ -264,7 +265,7 @@ def test_remat_blocks():
 
   model = Model()
   x = jax.random.normal(jax.random.key(0), (8, 16))
-  params = model.init(jax.random.key(1), x)
+  params = init(model, jax.random.key(1), x)
   assert_parity(lambda p, b: jnp.mean(model.apply(p, b) ** 2), params, x, config=SHARD_ALL)
 
 
@@ -284,14 +285,15 @@ def test_dropout_with_rng_in_batch(fold):
 
   model = Model()
   x = jax.random.normal(jax.random.key(0), (8, 16))
-  params = model.init(jax.random.key(1), x, jax.random.key(2))
+  params = init(model, jax.random.key(1), x, jax.random.key(2))
   loss = lambda p, b: jnp.mean(model.apply(p, b["x"], b["key"]) ** 2)
   batch = {"x": x, "key": jax.random.key(3)}
   config = dataclasses.replace(SHARD_ALL, fold_rng_keys=fold)
   _, zloss, grads, _ = run_zjax(loss, params, batch, config=config)
   keys = [jax.random.fold_in(batch["key"], i) if fold else batch["key"] for i in range(8)]
   slices = [{"x": x[i : i + 1], "key": keys[i]} for i in range(8)]
-  per_device = [jax.value_and_grad(loss)(params, b) for b in slices]
+  device_grad = jax.jit(jax.value_and_grad(loss))
+  per_device = [device_grad(params, b) for b in slices]
   np.testing.assert_allclose(zloss, np.mean([value for value, _ in per_device]), rtol=1e-5)
   mean_grads = jax.tree.map(lambda *g: sum(g) / 8, *[g for _, g in per_device])
   assert_trees_close(grads, mean_grads)
@@ -335,7 +337,7 @@ def test_explicit_and_auto_meshes_and_numpy_batch(explicit):
   step = zjax.value_and_grad(loss, schedule, mesh=mesh)
   numpy_batch = jax.tree.map(np.asarray, batch)
   value, g = step(zjax.shard(params, schedule, mesh), numpy_batch)
-  ref_value, ref_g = jax.value_and_grad(loss)(params, batch)
+  ref_value, ref_g = jax.jit(jax.value_and_grad(loss))(params, batch)
   np.testing.assert_allclose(value, ref_value, rtol=1e-5)
   assert_trees_close(zjax.unshard(g, schedule), ref_g)
 
@@ -396,7 +398,7 @@ def test_scanned_gpt_gathers_the_stack_before_the_scan():
   cfg = GPTConfig(d_model=64, n_layer=3, n_head=4, d_ff=128, seq_len=16, scan_layers=True)
   model = GPT(cfg)
   tokens = jax.random.randint(jax.random.key(0), (8, cfg.seq_len + 1), 0, cfg.vocab_size)
-  params = model.init(jax.random.key(1), tokens[:, :-1])
+  params = init(model, jax.random.key(1), tokens[:, :-1])
   schedule, _ = assert_parity(
     make_loss_fn(model),
     params,

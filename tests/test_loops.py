@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import zjax
-from helpers import assert_parity, assert_trees_close, mesh_of, run_zjax
+from helpers import assert_parity, assert_trees_close, init, mesh_of, run_zjax
 from zjax._src import hlo, ir, layout
 
 D = 64
@@ -141,7 +141,7 @@ def gpt_scan_setup(n_layer=3, remat=False):
   )
   model = GPT(cfg)
   tokens = jax.random.randint(jax.random.key(0), (8, cfg.seq_len + 1), 0, cfg.vocab_size)
-  params = model.init(jax.random.key(1), tokens[:, :-1])
+  params = init(model, jax.random.key(1), tokens[:, :-1])
   return make_loss_fn(model), params, {"tokens": tokens}
 
 
@@ -226,9 +226,9 @@ def per_device_reference(loss_fn, params, batch, n):
   """What data parallelism means when devices branch differently: the mean over devices of
   each device's loss and gradient on its own rows."""
   rows = batch["x"].shape[0] // n
+  device_grad = jax.jit(jax.value_and_grad(loss_fn))
   parts = [
-    jax.value_and_grad(loss_fn)(params, dict(batch, x=batch["x"][d * rows : (d + 1) * rows]))
-    for d in range(n)
+    device_grad(params, dict(batch, x=batch["x"][d * rows : (d + 1) * rows])) for d in range(n)
   ]
   return (
     np.mean([float(loss) for loss, _ in parts]),

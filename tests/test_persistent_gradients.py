@@ -34,7 +34,7 @@ def compile_zjax(case, n, config):
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def model(request):
   case = MODELS[request.param]()
-  return request.param, case, jax.value_and_grad(case.loss_fn)(case.params, case.batch)
+  return request.param, case, jax.jit(jax.value_and_grad(case.loss_fn))(case.params, case.batch)
 
 
 @pytest.mark.slow
@@ -92,7 +92,7 @@ def test_equinox_style_mlp_exact_and_temp_at_most_gspmd(n):
   equinox MLP at 2.5x GSPMD's; at four commits since 12-01 and four shapes it did not
   reproduce here: 18.6 KiB against GSPMD's 35.3 at this shape)."""
   case = eqx_mlp()
-  ref_loss, ref_grads = jax.value_and_grad(case.loss_fn)(case.params, case.batch)
+  ref_loss, ref_grads = jax.jit(jax.value_and_grad(case.loss_fn))(case.params, case.batch)
   sharded_everywhere = zjax.ZeroConfig(param_persistence_threshold=0, max_reuse_distance=0)
   for config in (zjax.ZeroConfig(), sharded_everywhere):
     schedule, step, sharded = compile_zjax(case, n, config)
@@ -136,7 +136,7 @@ def odd_model(d=32, vocab=48):
 def test_tied_unused_empty_and_mixed_dtype_leaves(n):
   loss_fn, params, batch = odd_model()
   schedule, loss, grads, program = run_zjax(loss_fn, params, batch, n=n)
-  ref_loss, ref_grads = jax.value_and_grad(loss_fn, allow_int=True)(params, batch)
+  ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss_fn, allow_int=True))(params, batch)
   assert_trees_close(loss, ref_loss, rtol=RTOL, atol=0)
   for key in ("embed", "w1", "w2", "unused", "empty"):
     assert_trees_close(grads[key], ref_grads[key], rtol=RTOL, atol=ATOL)

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 
 import zjax
+from helpers import init
 from zjax._src import render
 
 
@@ -29,7 +30,7 @@ def test_notes_for_foreign_reused_unused_empty_scalar_int():
   model = Tied()
   x = jnp.ones((2, 4))
   params = {
-    "model": model.init(jax.random.key(0), x),
+    "model": init(model, jax.random.key(0), x),
     "unused": jnp.ones(3),
     "empty": jnp.ones((0,)),
     "scale": jnp.float32(1.0),

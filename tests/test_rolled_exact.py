@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import zjax
-from helpers import analyse_zjax, assert_report_matches
+from helpers import analyse_zjax, assert_report_matches, init
 from zjax._src import ir
 
 D, HEADS, LAYERS, VOCAB, SEQ = 32, 4, 3, 37, 12
@@ -126,7 +126,7 @@ def cross_entropy(logits, labels):
 
 def decoder_case(model):
   tokens = jax.random.randint(jax.random.key(0), (16, SEQ + 1), 0, VOCAB)
-  params = model.init(jax.random.key(1), tokens[:, :-1])["params"]
+  params = init(model, jax.random.key(1), tokens[:, :-1])["params"]
 
   def loss_fn(p, b):
     return cross_entropy(model.apply({"params": p}, b[:, :-1]), b[:, 1:])
@@ -138,7 +138,7 @@ def encdec_case():
   model = EncDec()
   src = jax.random.randint(jax.random.key(2), (16, SEQ), 0, VOCAB)
   tgt = jax.random.randint(jax.random.key(3), (16, SEQ - 2), 0, VOCAB)
-  params = model.init(jax.random.key(4), src, tgt[:, :-1])["params"]
+  params = init(model, jax.random.key(4), src, tgt[:, :-1])["params"]
 
   def loss_fn(p, b):
     return cross_entropy(model.apply({"params": p}, b["src"], b["tgt"][:, :-1]), b["tgt"][:, 1:])

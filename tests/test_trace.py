@@ -8,7 +8,7 @@ import pytest
 from jax import lax
 
 import zjax
-from helpers import custom_vjp_matmul
+from helpers import custom_vjp_matmul, init
 
 
 def uses(trace, name):
@@ -191,7 +191,7 @@ class _Shared(nn.Module):
 
 def test_linen_module_reuse_and_remat():
   model = _Shared()
-  params = model.init(jax.random.key(0), X)
+  params = init(model, jax.random.key(0), X)
   t = zjax.trace_program(lambda p, x: model.apply(p, x).sum(), params, X)
   by_path = {p.path: p for p in t.params}
   kernel = by_path["['params']['dense']['kernel']"]
@@ -244,7 +244,7 @@ def test_shape_dtype_structs_give_the_same_table_as_arrays():
   cfg = GPTConfig(n_layer=2, d_model=32, d_ff=64, seq_len=8)
   model = GPT(cfg)
   tokens = jnp.zeros((2, cfg.seq_len + 1), jnp.int32)
-  params = model.init(jax.random.key(0), tokens[:, :-1])
+  params = init(model, jax.random.key(0), tokens[:, :-1])
   concrete = zjax.trace_program(make_loss_fn(model), params, {"tokens": tokens})
   abstract = zjax.trace_program(make_loss_fn(model), shapes(params), shapes({"tokens": tokens}))
   assert concrete.params == abstract.params and concrete.ops == abstract.ops
