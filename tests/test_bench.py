@@ -31,7 +31,7 @@ def test_bench_runs_and_writes_json_and_plots(tmp_path):
       "1",
       "--scale-devices",
       "1",
-      "2",
+      "4",
       "--scale-layers",
       "1",
       "2",
@@ -95,8 +95,13 @@ def test_bench_runs_and_writes_json_and_plots(tmp_path):
     assert r["state_bytes"] > 0 and r["flops"] > 0
     assert r["compile_seconds"] > 0 and r["setup_seconds"] > 0  # measured apart
   assert {(r["devices"], r["method"]) for r in results["devices"]} == {
-    (n, m) for n in (1, 2) for m in ("zjax_rolled", "gspmd_fsdp", "data_parallel")
+    (n, m) for n in (1, 4) for m in ("zjax_rolled", "gspmd_fsdp", "data_parallel")
   }
+  # the sweeps' points at the compared model and mesh (4 devices, 1 layer) are its rows
+  for sweep, at in (("devices", {"devices": 4}), ("depth", {"layers": 1})):
+    for r in results[sweep]:
+      if all(r[k] == v for k, v in at.items()):
+        assert all(r[k] == rows[r["method"]][k] for k in r if k not in at), (sweep, r)
   assert {(r["layers"], r["method"]) for r in results["depth"]} == {
     (n, m) for n in (1, 2) for m in ("zjax_rolled", "zjax_unrolled", "zjax_scanned", "gspmd_fsdp")
   }

@@ -60,7 +60,7 @@ def gpt_model(layers: int, d_model: int, batch_size: int, seq_len: int = 64) -> 
     )
     model = GPT(cfg)
     tokens = jax.random.randint(jax.random.key(0), (batch_size, seq_len + 1), 0, cfg.vocab_size)
-    params = model.init(jax.random.key(1), tokens[:1, :-1])
+    params = jax.jit(model.init)(jax.random.key(1), tokens[:1, :-1])  # (eager: one compile per op)
     block = 4 * d_model**2 + 2 * d_model * 4 * d_model
     # ZeRO-3's memory regime: one block ahead, release after every use
     config = zjax.ZeroConfig(
@@ -336,10 +336,24 @@ def _interleaved_times(methods, rounds, steps) -> dict[str, list[float]]:
   return times
 
 
-def scale_devices(model: Model, counts) -> list[dict]:
-  """Per-device state and temp of each method for each device count (compile only)."""
+def scale_devices(model: Model, counts, known=None) -> list[dict]:
+  """Per-device state and temp of each method for each device count (compile only).
+  `known`: {device count: `compare` rows of this model on that many devices}, taken as they
+  are instead of building those programs again."""
   rows = []
   for n in counts:
+    if known and n in known:
+      rows += [
+        {
+          "devices": n,
+          "method": r["method"],
+          "state_bytes": r["state_bytes"],
+          "temp_bytes": r["temp_bytes"],
+        }
+        for r in known[n]
+        if r["method"] in DEVICE_METHODS
+      ]
+      continue
     mesh = mesh_of(n)
     for method in build_methods(model, mesh, optax.adamw(1e-3), only=DEVICE_METHODS):
       row = _measured(method)
@@ -354,11 +368,19 @@ def scale_devices(model: Model, counts) -> list[dict]:
   return rows
 
 
-def scale_depth(make_model, depths, mesh) -> list[dict]:
+def scale_depth(make_model, depths, mesh, known=None) -> list[dict]:
   """Per-device temp, setup and compile time of each method for each depth (compile
-  only)."""
+  only). `known`: {depth: `compare` rows of that depth on `mesh`}, taken as they are."""
   rows = []
   for depth in depths:
+    if known and depth in known:
+      keys = ("method", "temp_bytes", "setup_seconds", "compile_seconds")
+      rows += [
+        {"layers": depth, **{k: r[k] for k in keys}}
+        for r in known[depth]
+        if r["method"] in DEPTH_METHODS
+      ]
+      continue
     for method in build_methods(make_model(depth), mesh, optax.adamw(1e-3), only=DEPTH_METHODS):
       rows.append(
         {

@@ -133,9 +133,13 @@ def run(args) -> int:
   if tensor is not None:
     console.print(tensor)
   counts = [n for n in args.scale_devices if n <= jax.device_count()]
-  results["devices"] = bench.scale_devices(model, counts) if counts else []
+  # the sweeps' points that `compare` measured already are taken from it, not compiled again
+  measured = {args.devices: results["compare"]}
+  results["devices"] = bench.scale_devices(model, counts, known=measured) if counts else []
   results["depth"] = (
-    bench.scale_depth(make, args.scale_layers, mesh) if gpt and args.scale_layers else []
+    bench.scale_depth(make, args.scale_layers, mesh, known={args.layers: results["compare"]})
+    if gpt and args.scale_layers
+    else []
   )
   for key, x in (("devices", "devices"), ("depth", "layers")):
     for row in results[key]:
