@@ -38,6 +38,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zjax
+from helpers import init
 from zjax._src import layout
 
 
@@ -107,7 +108,7 @@ def resnet_syncbn(batch_size=16, axis_name="fsdp", image=8, **arch) -> Case:
   model, plain = ResNet(axis_name=axis_name, **arch), ResNet(axis_name=None, **arch)
   x = jax.random.normal(jax.random.key(0), (batch_size, image, image, 3))
   batch = {"x": x, "y": jnp.arange(batch_size) % 10}
-  variables = jax.jit(functools.partial(plain.init, train=False))(jax.random.key(1), x)
+  variables = init(plain, jax.random.key(1), x, train=False)
   # non-trivial statistics: one full-batch update from the initial ones
   _, stats = jax.jit(functools.partial(plain.apply, mutable=["batch_stats"]))(variables, x)
 
@@ -157,7 +158,7 @@ def encdec(batch_size=16) -> Case:
   model = EncoderDecoder()
   src = jax.random.randint(jax.random.key(0), (batch_size, 10), 0, model.vocab)
   tgt = jax.random.randint(jax.random.key(1), (batch_size, 9), 0, model.vocab)
-  params = jax.jit(model.init)(jax.random.key(2), src, tgt[:, :-1])["params"]
+  params = init(model, jax.random.key(2), src, tgt[:, :-1])["params"]
 
   def loss_fn(p, b):
     logits = model.apply({"params": p}, b["src"], b["tgt"][:, :-1])
@@ -289,7 +290,7 @@ class BiLSTM(nn.Module):
 def _sequence_case(model, batch_size) -> Case:
   x = jax.random.normal(jax.random.key(4), (batch_size, 7, 12))
   y = jnp.arange(batch_size) % 5
-  params = jax.jit(model.init)(jax.random.key(5), x)["params"]
+  params = init(model, jax.random.key(5), x)["params"]
 
   def loss_fn(p, b):
     return cross_entropy(model.apply({"params": p}, b["x"]), b["y"])
@@ -378,7 +379,7 @@ class Griffin(nn.Module):
 def griffin(batch_size=16, layers=3) -> Case:
   model = Griffin(layers=layers)
   tokens = jax.random.randint(jax.random.key(6), (batch_size, 12), 0, model.vocab)
-  params = jax.jit(model.init)(jax.random.key(7), tokens[:, :-1])["params"]
+  params = init(model, jax.random.key(7), tokens[:, :-1])["params"]
 
   def loss_fn(p, b):
     logits = model.apply({"params": p}, b["tokens"][:, :-1])
@@ -478,9 +479,7 @@ def t5(batch_size=16, layers=3) -> Case:
   model = T5(layers=layers)
   src = jax.random.randint(jax.random.key(8), (batch_size, 10), 0, model.vocab)
   tgt = jax.random.randint(jax.random.key(9), (batch_size, 9), 0, model.vocab)
-  params = jax.jit(functools.partial(model.init, train=False))(
-    jax.random.key(10), src, tgt[:, :-1]
-  )["params"]
+  params = init(model, jax.random.key(10), src, tgt[:, :-1], train=False)["params"]
 
   def loss_fn(p, b):
     logits = model.apply({"params": p}, b["src"], b["tgt"][:, :-1], rngs={"dropout": b["dropout"]})
@@ -574,7 +573,7 @@ class Llama(nn.Module):
 def llama(batch_size=8, own_tables=False, layers=3) -> Case:
   model = Llama(layers=layers, own_tables=own_tables)
   tokens = jax.random.randint(jax.random.key(12), (batch_size, 17), 0, model.vocab)
-  params = jax.jit(model.init)(jax.random.key(13), tokens[:, :-1])["params"]
+  params = init(model, jax.random.key(13), tokens[:, :-1])["params"]
 
   def loss_fn(p, b):
     return cross_entropy(model.apply({"params": p}, b["tokens"][:, :-1]), b["tokens"][:, 1:])
@@ -632,9 +631,7 @@ def bert(batch_size=8, layers=3, dropout=False) -> Case:
   tokens = jax.random.randint(jax.random.key(14), (batch_size, 16), 0, model.vocab)
   lengths = 16 - jnp.arange(batch_size) % 5
   attention_mask = (jnp.arange(16)[None, :] < lengths[:, None]).astype(jnp.int32)
-  params = jax.jit(functools.partial(model.init, train=False))(
-    jax.random.key(15), tokens, attention_mask
-  )["params"]
+  params = init(model, jax.random.key(15), tokens, attention_mask, train=False)["params"]
 
   def loss_fn(p, b):
     logits = model.apply(
