@@ -83,6 +83,7 @@ def test_a_module_cuts_a_segment_only_when_its_gradient_outweighs_the_cut(model)
   assert sum("proj" in s or s in ("query", "intermediate", "output") for s in starts) > 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [8, 4])
 def test_equinox_style_mlp_exact_and_temp_at_most_gspmd(n):
   """eqx.nn.MLP's computation (weights [out, in], one example's matvecs under jax.vmap):
