@@ -35,8 +35,8 @@ devices.setup(ARGS.devices)  # before JAX starts
 import jax  # noqa: E402
 
 import zjax  # noqa: E402
-from zjax._src import ir  # noqa: E402
-from zjax._src.render import format_bytes  # noqa: E402
+from zjax._src.schedule import ir  # noqa: E402
+from zjax._src.schedule.render import format_bytes  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 import real_models  # noqa: E402

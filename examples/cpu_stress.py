@@ -156,7 +156,7 @@ def worker(case: str, steps: int, old_flags: bool) -> None:
 
   devices.setup(8)
   if old_flags:  # let the process-wide flags reach the executed programs, as they used to
-    from zjax._src import xla_options
+    from zjax._src.xla import xla_options
 
     xla_options.execution_options = lambda: {}
   trainer, state, batch_at = BUILDERS[case](steps)

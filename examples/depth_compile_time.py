@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import zjax  # noqa: E402
 from gpt import GPTConfig, abstract_setup  # noqa: E402
-from zjax._src import layout  # noqa: E402
+from zjax._src.layout import layout  # noqa: E402
 
 VARIANTS = ("rolled", "unrolled", "scanned", "gspmd")
 

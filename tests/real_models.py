@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 import zjax
 from helpers import init
-from zjax._src import layout
+from zjax._src.layout import layout
 
 
 @dataclasses.dataclass(frozen=True)

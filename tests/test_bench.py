@@ -121,7 +121,7 @@ def test_partitioner_warnings_are_counted_and_the_rest_passes(capfd):
   """What XLA's C++ logging writes to file descriptor 2 while a baseline compiles."""
   import os
 
-  from zjax._src.xla_warnings import Held, partitioner_warnings_held
+  from zjax._src.xla.xla_warnings import Held, partitioner_warnings_held
 
   held = Held()
   with partitioner_warnings_held(held):

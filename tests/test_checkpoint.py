@@ -23,7 +23,7 @@ import pytest
 
 import zjax
 from helpers import assert_trees_close, mesh_of
-from zjax._src import layout
+from zjax._src.layout import layout
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from gpt import GPT, GPTConfig, abstract_setup  # noqa: E402

@@ -65,9 +65,9 @@ def test_inspect_save_and_knob_overrides(capsys, tmp_path):
 def test_inspect_predicts_offload(capsys, tmp_path):
   """--offload-optimizer / --offload-params: the device and host bytes per device and the
   update stream, as the trainer's offload_plan predicts them."""
-  from zjax._src import offload_stream
-  from zjax._src.render import format_bytes
-  from zjax._src.train import plan_sub_groups
+  from zjax._src.execute import offload_stream
+  from zjax._src.schedule.render import format_bytes
+  from zjax._src.train.train import plan_sub_groups
 
   args = ("inspect", GPT, "--devices", "8", "--summary", "--sub-group-size", "20000", "--save")
   for flag, on_host in (("--offload-optimizer", False), ("--offload-params", True)):

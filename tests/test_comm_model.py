@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import pytest
 
 import zjax
-from zjax._src import comm_model
-from zjax._src.comm_model import Link
+from zjax._src.plan import comm_model
+from zjax._src.plan.comm_model import Link
 from zjax.cli.main import main
 
 # The data axis (across nodes) slow and far, the shard axis (inside a node) fast and near.
@@ -82,7 +82,7 @@ def test_layouts_side_by_side_for_a_cluster_that_is_not_here():
     sys.path.pop(0)
   loss, params, batch, config = llama.llama70b()
   sizes = {"replica": 128, "fsdp": 8}
-  trace = zjax._src.trace.trace_for_schedule(loss, params, batch, config, sizes)
+  trace = zjax._src.program.trace.trace_for_schedule(loss, params, batch, config, sizes)
   rows = {r["layout"]: r for r in comm_model.compare(trace, config, sizes, platform="gpu")}
   flat, hsdp, hpz = rows["flat ZeRO-3"], rows["HSDP"], rows["hpZ"]
   assert flat["state_bytes_per_device"] == hpz["state_bytes_per_device"]

@@ -1,4 +1,4 @@
-"""What the CPU executes vs what the analysis judges (zjax/_src/xla_options.py,
+"""What the CPU executes vs what the analysis judges (zjax/_src/xla/xla_options.py,
 docs/results.md "CPU execution"): programs zjax runs are compiled with XLA's own pipeline
 (no optimization barrier survives on CPU, even when XLA_FLAGS asks to keep them: undone,
 with one warning); `zjax.hlo.compile_for_analysis` keeps the barriers for its compile
@@ -21,7 +21,7 @@ import pytest
 from jax import lax
 
 import zjax
-from zjax._src import xla_options
+from zjax._src.xla import xla_options
 from zjax.bench.run import gpt_model
 
 BARRIER_FLAG = "--xla_disable_hlo_passes=cse_barrier_expander"

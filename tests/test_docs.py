@@ -210,10 +210,20 @@ def test_public_names_have_docstrings():
 
 
 def test_the_architecture_page_names_every_source_file():
+  """The file map is the tree of zjax/_src: every module under its folder, none stale."""
   page = (ROOT / "docs/architecture.md").read_text()
-  missing = [
-    p.name
-    for p in sorted((ROOT / "zjax/_src").glob("*.py"))
-    if p.name != "__init__.py" and f"zjax/_src/{p.name}" not in page
-  ]
-  assert not missing, f"docs/architecture.md's file map lacks {missing}"
+  tree = page[page.index("zjax/_src/\n") :].split("```")[0]
+  named, folder = set(), ""
+  for line in tree.splitlines()[1:]:
+    if not line.startswith(" "):  # the next top-level entry: the tree has ended
+      break
+    if re.fullmatch(r"  (\w+)/", line):
+      folder = line.strip()
+    elif m := re.match(r"( +)(\w+\.py) ", line):
+      named.add((folder if len(m.group(1)) == 4 else "") + m.group(2))
+  src = ROOT / "zjax/_src"
+  files = {p.relative_to(src).as_posix() for p in src.rglob("*.py") if p.name != "__init__.py"}
+  assert files == named, (
+    f"docs/architecture.md's file map lacks {sorted(files - named)}, "
+    f"names files that are gone: {sorted(named - files)}"
+  )

@@ -143,7 +143,7 @@ def test_gpu_programs_leave_combining_to_the_schedule():
   import jax
   import jax.numpy as jnp
 
-  from zjax._src import xla_options
+  from zjax._src.xla import xla_options
 
   assert xla_options.execution_options("gpu") == xla_options.GPU_OPTIONS
   assert xla_options.analysis_options("cuda") == xla_options.GPU_OPTIONS

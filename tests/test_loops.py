@@ -15,7 +15,9 @@ import pytest
 
 import zjax
 from helpers import assert_parity, assert_trees_close, init, mesh_of, run_zjax
-from zjax._src import hlo, ir, layout
+from zjax._src.layout import layout
+from zjax._src.schedule import ir
+from zjax._src.xla import hlo
 
 D = 64
 PREFETCH = zjax.ZeroConfig(param_persistence_threshold=100)

@@ -19,8 +19,9 @@ import zjax
 from helpers import mesh_of
 from real_models import CASES
 from test_rolling import ADAMW, ROLL, UNROLL, gpt
-from zjax._src import offload, offload_stream
-from zjax._src.train import plan_sub_groups
+from zjax._src.execute import offload_stream
+from zjax._src.train import offload
+from zjax._src.train.train import plan_sub_groups
 
 BF16 = dataclasses.replace(ROLL, compute_dtype=jnp.bfloat16)
 HPZ = dataclasses.replace(ROLL, replicate_axes=("data",), secondary_partition=True)

@@ -9,7 +9,7 @@ import pytest
 import zjax
 from helpers import mesh_of, mlp
 from test_train import SHARD_ALL, assert_training_parity, same_batch
-from zjax._src import optcheck
+from zjax._src.train import optcheck
 
 
 def _schedule(n=8, layers=4):

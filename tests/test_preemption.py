@@ -20,7 +20,7 @@ import pytest
 import zjax
 from helpers import mesh_of, mlp
 from test_job import TINY
-from zjax._src import preemption
+from zjax._src.checkpoint import preemption
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "examples" / "distributed_gpt.py")

@@ -17,8 +17,11 @@ from jax.sharding import PartitionSpec as P
 import zjax
 from helpers import mesh_of, reference, run_zjax
 from test_rolling import ADAMW, ROLL, edge_blocks, gpt
-from zjax._src import collectives, hlo, ir, layout, quantize
-from zjax._src.quantize import Quantization
+from zjax._src.execute import collectives, quantize
+from zjax._src.execute.quantize import Quantization
+from zjax._src.layout import layout
+from zjax._src.schedule import ir
+from zjax._src.xla import hlo
 
 QWZ = dataclasses.replace(ROLL, gather_quantization="int8")
 QGZ = dataclasses.replace(ROLL, reduce_quantization="int8")

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 
 import zjax
 from helpers import init
-from zjax._src import render
+from zjax._src.schedule import render
 
 
 class Decoder(nn.Module):

@@ -19,7 +19,7 @@ import pytest
 
 import zjax
 from helpers import analyse_zjax, assert_report_matches, init
-from zjax._src import ir
+from zjax._src.schedule import ir
 
 D, HEADS, LAYERS, VOCAB, SEQ = 32, 4, 3, 37, 12
 

@@ -19,9 +19,10 @@ import real_models
 import zjax
 from helpers import assert_parity
 from test_rolling import gpt, rolled_lengths
-from zjax._src import hlo, ir
 from zjax._src.errors import ScheduleError
-from zjax._src.validate import bucket_elements
+from zjax._src.schedule import ir
+from zjax._src.schedule.validate import bucket_elements
+from zjax._src.xla import hlo
 
 MODELS = {
   "gpt": lambda: real_models.Case(*gpt(2)),

@@ -29,7 +29,8 @@ from helpers import (
   steps_like_optax,
 )
 from test_train import reference_run
-from zjax._src import hlo, ir
+from zjax._src.schedule import ir
+from zjax._src.xla import hlo
 from zjax.models.gpt import GPT, GPTConfig, make_loss_fn
 
 ROLL = zjax.ZeroConfig(param_persistence_threshold=1024)
@@ -427,7 +428,7 @@ def test_trainer_on_stacked_storage_inits_steps_and_groups_like_optax():
   state = trainer.init(params)
   assert jax.tree.structure(built) == jax.tree.structure(state)
   assert_trees_close(trainer.gather_params(built), params, rtol=0, atol=1e-7)  # as jit(init)
-  groups = zjax._src.train.plan_sub_groups(schedule)
+  groups = zjax._src.train.train.plan_sub_groups(schedule)
   local = [ir.local_elements(leaf.entry, 8) for leaf in schedule.storage]
   big = [k for k, leaf in enumerate(schedule.storage) if leaf.rolled and local[k] > 600]
   assert len(big) == 4 and all([k] in groups for k in big)  # out (replicated), qkv, fc, proj

@@ -4,8 +4,8 @@ import pathlib
 
 import pytest
 
-from zjax._src.plan import plan_schedule
-from zjax._src.trace import trace_for_schedule
+from zjax._src.plan.plan import plan_schedule
+from zjax._src.program.trace import trace_for_schedule
 from zjax.cli.target import load_target
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

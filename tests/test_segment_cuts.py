@@ -17,7 +17,8 @@ import pytest
 import zjax
 from helpers import assert_parity, mesh_of
 from real_models import resnet_syncbn
-from zjax._src import plan, segments, trace
+from zjax._src.plan import plan
+from zjax._src.program import segments, trace
 
 SHARDED = zjax.ZeroConfig(param_persistence_threshold=0, max_reuse_distance=0)
 

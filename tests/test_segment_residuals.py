@@ -17,7 +17,7 @@ import pytest
 import real_models
 import zjax
 from helpers import analyse_zjax, assert_parity, assert_report_matches, mesh_of
-from zjax._src import segments
+from zjax._src.program import segments
 
 HIDDEN = 32
 SHARDED = zjax.ZeroConfig(param_persistence_threshold=0, max_reuse_distance=0)

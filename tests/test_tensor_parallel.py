@@ -24,9 +24,9 @@ from jax.sharding import PartitionSpec as P
 import zjax
 from helpers import assert_trees_close, compiles_logged, init, reference, steps_like_optax
 from test_rolling import rolled_lengths
-from zjax._src import layout
 from zjax._src.errors import TraceError, ZjaxError
-from zjax._src.hlo import executions
+from zjax._src.layout import layout
+from zjax._src.xla.hlo import executions
 
 D, F = 6, 18  # a TP slice of w1 is 6 x 9 = 54 elements: not a multiple of N = 4
 RULES = [(r"w1", P(None, "tensor")), (r"b1", P("tensor")), (r"w2", P("tensor", None))]

@@ -422,7 +422,7 @@ def test_frozen_params_are_gathered_but_not_reduced_or_optimized():
 @pytest.mark.slow
 @pytest.mark.parametrize("roll", [False, True], ids=["unrolled", "rolled"])
 def test_sub_groups_give_identical_results(roll):
-  from zjax._src.train import plan_sub_groups
+  from zjax._src.train.train import plan_sub_groups
 
   loss, params, batch = mlp(num_layers=3)
   base = dataclasses.replace(SHARD_ALL, roll_layers=roll)

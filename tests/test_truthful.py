@@ -228,7 +228,7 @@ def test_saved_residuals_are_never_gathered_parameters(monkeypatch):
   """Spy on what each segment's vjp keeps for backward: activations only; every residual
   that is a gathered parameter became a slot, refilled from a re-gather in backward."""
   from test_execute import gpt_setup
-  from zjax._src import segments as seg_lib
+  from zjax._src.program import segments as seg_lib
 
   kept_shapes, slots = [], []
   strip = seg_lib.strip_params

@@ -19,7 +19,7 @@ import pytest
 import real_models
 import zjax
 from helpers import assert_parity, assert_report_matches, case_temp, mesh_of
-from zjax._src import segments, trace
+from zjax._src.program import segments, trace
 
 REUSE0 = zjax.ZeroConfig(max_reuse_distance=0)
 SHARDED = zjax.ZeroConfig(param_persistence_threshold=0, max_reuse_distance=0)

@@ -15,15 +15,15 @@ Public API (everything else lives in `zjax._src` and may change):
 """
 
 from zjax import distributed, hlo
-from zjax._src.checkpoint import CheckpointError, CheckpointManager, export_params
+from zjax._src.checkpoint.checkpoint import CheckpointError, CheckpointManager, export_params
 from zjax._src.config import ZeroConfig
 from zjax._src.errors import ScheduleError, ScheduleMismatchError, TraceError, ZjaxError
-from zjax._src.execute import value_and_grad
-from zjax._src.layout import per_device_bytes, shard, unshard
-from zjax._src.plan import compile_schedule
-from zjax._src.schedule import Schedule
-from zjax._src.trace import trace_program
-from zjax._src.train import NonFiniteError, TrainState, Zero3, sharded_init, zero3
+from zjax._src.execute.execute import value_and_grad
+from zjax._src.layout.layout import per_device_bytes, shard, unshard
+from zjax._src.plan.plan import compile_schedule
+from zjax._src.program.trace import trace_program
+from zjax._src.schedule.schedule import Schedule
+from zjax._src.train.train import NonFiniteError, TrainState, Zero3, sharded_init, zero3
 from zjax._src.version import __version__  # noqa: F401 (re-exported)
 
 __all__ = [

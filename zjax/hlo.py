@@ -1,6 +1,6 @@
-"""Collective and memory analysis of compiled programs (public API of zjax._src.hlo)."""
+"""Collective and memory analysis of compiled programs (public API of zjax._src.xla.hlo)."""
 
-from zjax._src.hlo import (
+from zjax._src.xla.hlo import (
   AnalysisProgram,
   AsyncCollective,
   Collective,

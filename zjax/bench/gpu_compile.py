@@ -312,7 +312,7 @@ def measure_gspmd(model: Model) -> dict:
   from jax.sharding import PartitionSpec as P
 
   from zjax import hlo
-  from zjax._src import layout
+  from zjax._src.layout import layout
 
   target = jax.devices()[:DEVICES]
   mesh = mesh_for(target, "flat")

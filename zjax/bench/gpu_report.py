@@ -1,7 +1,7 @@
 """gpu.md: the tables of `zjax bench --suite gpu`, from what gpu.json holds (any part may be
 missing, cut short or failed; the tables say so)."""
 
-from zjax._src.render import format_bytes
+from zjax._src.schedule.render import format_bytes
 
 
 def markdown(results: dict) -> str:

@@ -35,8 +35,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zjax
-from zjax._src import layout
-from zjax._src.xla_warnings import Held, partitioner_warnings_held
+from zjax._src.layout import layout
+from zjax._src.xla.xla_warnings import Held, partitioner_warnings_held
 
 # XLA's partitioner warnings while compiling the GSPMD baselines: counted, not shown
 PARTITIONER_WARNINGS = Held()

@@ -26,8 +26,9 @@ from rich import box
 from rich.table import Table
 
 import zjax
-from zjax._src import hlo, layout
-from zjax._src.render import format_bytes
+from zjax._src.layout import layout
+from zjax._src.schedule.render import format_bytes
+from zjax._src.xla import hlo
 from zjax.bench.methods import gspmd_method, zjax_method
 
 ADAM_BYTES_PER_PARAM_BYTE = 3  # the parameter and adam's mu and nu

@@ -4,7 +4,7 @@
 def setup(num_devices: int) -> None:
   """`num_devices` simulated CPU devices (the CPU backend only; accelerators are used as
   they are). No XLA flags: zjax runs every program with XLA's own pipeline and keeps the
-  schedule's order only in analysis compiles (zjax/_src/xla_options.py). Must run before
+  schedule's order only in analysis compiles (zjax/_src/xla/xla_options.py). Must run before
   the first JAX computation."""
   import jax
 

@@ -7,11 +7,14 @@ import time
 
 import jax
 
-from zjax._src import comm_model, offload_stream, render, tensor_parallel, tensor_specs
 from zjax._src.config import ZeroConfig
-from zjax._src.plan import plan_schedule, resolve_axis_sizes
-from zjax._src.trace import trace_for_schedule
-from zjax._src.train import plan_sub_groups
+from zjax._src.execute import offload_stream
+from zjax._src.layout import tensor_parallel, tensor_specs
+from zjax._src.plan import comm_model
+from zjax._src.plan.plan import plan_schedule, resolve_axis_sizes
+from zjax._src.program.trace import trace_for_schedule
+from zjax._src.schedule import render
+from zjax._src.train.train import plan_sub_groups
 from zjax.cli.target import load_target
 
 _KNOBS = (

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 from rich.table import Table
 
-from zjax._src import offload_stream
-from zjax._src.render import format_bytes
-from zjax._src.train import plan_sub_groups
+from zjax._src.execute import offload_stream
+from zjax._src.schedule.render import format_bytes
+from zjax._src.train.train import plan_sub_groups
 from zjax.job.corpus import END_OF_TEXT
 
 ADAM_STATE_FACTOR = 2  # adam's mu and nu, each shaped like the parameters

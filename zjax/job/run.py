@@ -20,7 +20,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 import zjax
-from zjax._src import hlo, layout
+from zjax._src.layout import layout
+from zjax._src.xla import hlo
 from zjax.job import corpus as corpus_lib
 from zjax.job import outputs
 from zjax.job import settings as settings_lib

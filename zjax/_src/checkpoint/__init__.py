@@ -1,0 +1,1 @@
+"""Checkpoint: orbax sharded checkpoints, restore into another layout, preemption."""

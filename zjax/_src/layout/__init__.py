@@ -1,0 +1,1 @@
+"""Layout: the sharded storage of parameters (flat, padded, 1/N) and tensor-parallel slices."""

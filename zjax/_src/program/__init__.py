@@ -1,0 +1,1 @@
+"""Trace: the loss function as numbered ops, its loops, rolled runs and segments."""

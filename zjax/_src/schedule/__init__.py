@@ -1,0 +1,1 @@
+"""The schedule as data: IR types, JSON files, validation, report and rendering."""

@@ -1,0 +1,1 @@
+"""XLA: what a compiled program does (collectives, memory) and how zjax compiles."""
