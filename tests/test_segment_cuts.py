@@ -1,4 +1,4 @@
-"""Where a segment ends (plan._cheapest_cut): not always right after its last parameter use,
+"""Where a segment ends (segmentation._cheapest_cut): not always right after its last parameter use,
 but, over the elementwise ops up to the next parameter use, where the fewest bytes cross
 that only this cut makes backward keep. The next segment saves what crosses for its
 recompute, so a cut right after a BatchNorm (or a scale) keeps its output as well as the
@@ -17,7 +17,7 @@ import pytest
 import zjax
 from helpers import assert_parity, mesh_of
 from real_models import resnet_syncbn
-from zjax._src.plan import plan
+from zjax._src.plan import segmentation
 from zjax._src.program import segments, trace
 
 SHARDED = zjax.ZeroConfig(param_persistence_threshold=0, max_reuse_distance=0)
@@ -99,7 +99,7 @@ def test_resnet_cuts_keep_fewer_activations_than_cutting_after_the_last_use(monk
   case, mesh = resnet_syncbn(), mesh_of(8)
   schedule, temp = resnet_temp(case, mesh)
   assert not relu_input_and_output_both_kept(case, schedule)
-  monkeypatch.setattr(plan, "_cheapest_cut", lambda program, last, start, lo, hi: lo)
+  monkeypatch.setattr(segmentation, "_cheapest_cut", lambda program, last, start, lo, hi: lo)
   old_schedule, old_temp = resnet_temp(case, mesh)
   assert len(old_schedule.segments) == len(schedule.segments)
   assert relu_input_and_output_both_kept(case, old_schedule)  # the first block's input

@@ -20,7 +20,7 @@ from zjax._src.config import ZeroConfig
 from zjax._src.errors import ScheduleError, ScheduleMismatchError, TraceError, ZjaxError
 from zjax._src.execute.execute import value_and_grad
 from zjax._src.layout.layout import per_device_bytes, shard, unshard
-from zjax._src.plan.plan import compile_schedule
+from zjax._src.plan.entry import compile_schedule
 from zjax._src.program.trace import trace_program
 from zjax._src.schedule.schedule import Schedule
 from zjax._src.train.train import NonFiniteError, TrainState, Zero3, sharded_init, zero3

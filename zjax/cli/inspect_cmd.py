@@ -11,7 +11,8 @@ from zjax._src.config import ZeroConfig
 from zjax._src.execute import offload_stream
 from zjax._src.layout import tensor_parallel, tensor_specs
 from zjax._src.plan import comm_model
-from zjax._src.plan.plan import plan_schedule, resolve_axis_sizes
+from zjax._src.plan.entry import resolve_axis_sizes
+from zjax._src.plan.plan import plan_schedule
 from zjax._src.program.trace import trace_for_schedule
 from zjax._src.schedule import render
 from zjax._src.train.train import plan_sub_groups

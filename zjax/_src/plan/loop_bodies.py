@@ -1,0 +1,199 @@
+"""A rolled run's body: its layer planned part by part by the step planner's rules
+(plan.py's docstring, step 5), or a reason it is planned unrolled (DoNotRoll).
+"""
+
+import dataclasses
+
+from zjax._src.errors import ScheduleError
+from zjax._src.plan.steps import StepPlanner
+from zjax._src.program import loop_parts, loops, roll
+from zjax._src.program.trace import param_views
+from zjax._src.schedule import ir
+
+
+class DoNotRoll(Exception):
+  def __init__(self, rolling, run, reason):
+    super().__init__(reason)
+    self.rolling, self.run, self.reason = rolling, run, reason
+
+
+@dataclasses.dataclass(frozen=True)
+class _RolledBody:
+  """A rolled loop's per-iteration steps when its layer is cut into parts."""
+
+  parts: tuple  # ir.Segment per part
+  forward: tuple  # body steps
+  backward: tuple
+  need: int  # peak gathered elements inside an iteration
+  # a whole-layer loop (no parts): buckets without gradient whose values its backward
+  # iteration does not use (an integer leaf's): not re-gathered (XLA would delete them)
+  unread: frozenset = frozenset()
+  # under tensor parallelism: signatures of the matmuls and gathers its backward iteration
+  # executes (loop_parts.backward_op_signatures), for the tensor axis's estimate
+  backward_ops: frozenset = frozenset()
+
+
+def rolled_body(
+  trace, run, seg, buckets, elements, bucket_of, entries, config, rolling, tensor_parallel=False
+):
+  """The run's layer planned part by part, as the unrolled planner plans segments (the same
+  knobs; what the segments around the loop keep gathered through it counts against
+  max_live_parameters). Without parts when one whole layer gathered at once is what that
+  plan says (the loop gathers it as one, prefetching the next layer where the knobs allow).
+  Raises DoNotRoll where the run cannot keep the knobs (the unrolled plan decides).
+  `tensor_parallel`: also find what the backward iteration executes (_RolledBody)."""
+  body = _rolled_body_steps(trace, run, seg, buckets, elements, bucket_of, entries, config, rolling)
+  if not tensor_parallel:
+    return body
+  runner, stacked = _runner(trace, run, seg, buckets, bucket_of, entries)
+  backward = (
+    body.backward
+    if body.parts
+    else loop_parts.whole_layer_backward(runner, [b for b in stacked if b not in body.unread])
+  )
+  return dataclasses.replace(
+    body, backward_ops=frozenset(loop_parts.backward_op_signatures(runner, list(backward)))
+  )
+
+
+def _runner(trace, run, seg, buckets, bucket_of, entries):
+  """The run's loop_parts.PartRunner, and the loop segment's stacked buckets."""
+  stacked = [b for b in seg.buckets if buckets[b].stacked]
+  members = {
+    b: [
+      i
+      for i in range(len(entries))
+      if bucket_of.get(i) == b and trace.params[i].path in buckets[b].params
+    ]
+    for b in stacked
+  }
+  return loop_parts.part_runner(trace.program, run, members, entries, bucket_of), stacked
+
+
+def _rolled_body_steps(trace, run, seg, buckets, elements, bucket_of, entries, config, rolling):
+  runner, stacked = _runner(trace, run, seg, buckets, bucket_of, entries)
+  position_bucket = {q: bucket_of[i] for q, i in runner.gathered.items()}
+  parts = tuple(
+    ir.Segment(
+      id=p,
+      start=run.start + io.start,
+      end=run.start + io.end,
+      buckets=tuple(sorted({position_bucket[q] for q in io.positions})),
+      backward_buckets=loop_parts.backward_reads(runner, p, position_bucket),
+      label=_part_label(trace, run, runner, io),
+    )
+    for p, io in enumerate(runner.parts)
+  )
+  around = sum(elements[b] for b in seg.buckets if not buckets[b].stacked)
+  inner_config = dataclasses.replace(
+    config, max_live_parameters=max(config.max_live_parameters - around, 0)
+  )
+  flat = tuple(dataclasses.replace(b, stacked=False) for b in buckets)
+  names = roll.layer_names(trace.params, run)
+  try:
+    forward, backward = StepPlanner(parts, elements, flat, inner_config).plan()
+  except ScheduleError as e:  # e.g. with what is kept around it, a part does not fit
+    raise DoNotRoll(rolling, run, f"not rolled: {names}: {e}; planned unrolled") from None
+  # every bucket gathered before the first part and none again in backward: the peak is one
+  # whole layer either way, and the whole-layer loop may prefetch the next layer
+  first_compute = next(k for k, st in enumerate(forward) if st.op == "compute")
+  whole_layer = _RolledBody(
+    (),
+    (),
+    (),
+    0,
+    frozenset() if config.secondary_partition else _unread_in_backward(runner, stacked, buckets),
+  )
+  if not any(st.op == "gather" for st in forward[first_compute:] + backward):
+    return whole_layer
+  if config.secondary_partition:  # hpZ keeps one secondary per layer gather: whole layers
+    whole = sum(elements[b] for b in stacked)
+    if whole + around <= config.max_live_parameters:
+      return whole_layer
+    raise DoNotRoll(
+      rolling,
+      run,
+      (
+        f"not rolled: one layer of {names} needs {whole} "
+        f"gathered elements, above max_live_parameters={config.max_live_parameters} with "
+        f"what is kept around it, and under hpZ (secondary_partition) a rolled layer is "
+        f"gathered whole; planned unrolled, sub-module by sub-module"
+      ),
+    )
+  kept = [b for b in stacked if not any(st.op == "release" and st.bucket == b for st in forward)]
+  as_part = lambda st, op=None: (
+    dataclasses.replace(  # noqa: E731
+      st, op=op or st.op, segment=seg.id, part=st.segment
+    )
+    if st.op == "compute"
+    else st
+  )
+  forward_body = tuple(as_part(st) for st in forward) + tuple(
+    ir.Step("release", bucket=b) for b in sorted(kept)
+  )
+  backward_body = [as_part(st, ir.RECOMPUTE_OP) for st in forward]
+  backward_body += [as_part(st) for st in backward]
+  unused, _ = loop_parts.unused_gathers(runner, backward_body)
+  backward_body = _without_gathers(backward_body, unused)
+  need = max(_peak(forward_body, elements), _peak(backward_body, elements))
+  return _RolledBody(parts, forward_body, tuple(backward_body), need)
+
+
+def scan_unread(trace, segments, stacked, bucket_of, entries, buckets) -> dict:
+  """Scan segment -> its stacked buckets without gradient whose values a backward iteration
+  does not read (loops.backward_unread): the loop step does not re-gather them."""
+  views, out = None, {}
+  for seg in segments:
+    members = [i for i, op in stacked.items() if op == seg.start]
+    if not any(not ir.has_gradient(buckets[bucket_of[i]]) for i in members):
+      continue
+    views = views or param_views(trace.program, len(trace.params))
+    op = trace.program.ops[seg.start]
+    positions = {j: i for i in members for j in loops.input_positions(op, i, views)}
+    unread = loops.backward_unread(
+      op, {j: ir.has_gradient(entries[i]) for j, i in positions.items()}
+    )
+    out[seg.id] = frozenset(
+      b
+      for b in {bucket_of[i] for i in members}
+      if not ir.has_gradient(buckets[b])
+      and all(j in unread for j, i in positions.items() if bucket_of[i] == b)
+    )
+  return out
+
+
+def _part_label(trace, run, runner, io) -> str:
+  """The module of the part's first op that reads a gathered weight (as segments' labels)."""
+  for j in range(io.start, io.end):
+    if any(src[0] == "layer" and src[1] in runner.gathered for src in run.sources[j]):
+      return trace.ops[run.start + j].module
+  return trace.ops[run.start + io.start].module
+
+
+def _unread_in_backward(runner, stacked, buckets) -> frozenset:
+  unused, _ = loop_parts.unused_gathers(runner, loop_parts.whole_layer_backward(runner, stacked))
+  return frozenset(stacked[k] for k in unused if not ir.has_gradient(buckets[stacked[k]]))
+
+
+def _without_gathers(body, unused) -> list:
+  """The body without the gathers at `unused` and the releases that close them."""
+  out, closing = [], set()
+  for k, st in enumerate(body):
+    if k in unused:
+      closing.add(st.bucket)
+    elif st.op == "release" and st.bucket in closing:
+      closing.discard(st.bucket)
+    else:
+      out.append(st)
+  return out
+
+
+def _peak(body, elements) -> int:
+  live, peak = set(), 0
+  for st in body:
+    if st.op == "gather":
+      live.add(st.bucket)
+    elif st.op == "release":
+      live.discard(st.bucket)
+    peak = max(peak, sum(elements[b] for b in live))
+  return peak
