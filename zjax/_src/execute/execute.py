@@ -19,7 +19,6 @@ barriers through scheduling; XLA's CPU pipeline removes them from the programs t
 runs, and analysis keeps them in a compile of its own (xla_options.py).
 """
 
-import functools
 from typing import Any, Callable
 
 import jax
@@ -30,10 +29,10 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from zjax._src.errors import ScheduleMismatchError, ZjaxError
-from zjax._src.execute import collectives
+from zjax._src.execute import bucket_comm
 from zjax._src.execute.execute_loop import Loop
 from zjax._src.execute.execute_rolled import RolledLoop
-from zjax._src.layout import layout, tensor_parallel
+from zjax._src.layout import layout
 from zjax._src.program import roll
 from zjax._src.program import segments as seg_lib
 from zjax._src.program.trace import trace_for_schedule
@@ -174,7 +173,6 @@ class _DeviceProgram:
     self.storage_axes, self.shard_axes = config.storage_axes, config.shard_axes
     self.mean_over = config.averaged_axes  # HSDP: gradient shards averaged over replicas
     self.secondary_partition = config.secondary_partition  # hpZ
-    self.tensor_axis = config.tensor_axes[0] if config.tensor_axes else None
     analysis = seg_lib.analyze(
       program,
       schedule.segments,
@@ -186,6 +184,8 @@ class _DeviceProgram:
     self.replicated = analysis.replicated
     index = {p.path: i for i, p in enumerate(schedule.params)}
     self.members = [[index[path] for path in b.params] for b in schedule.buckets]
+    region = bucket_comm.region_of(schedule)  # every bucket's collectives, chosen once
+    self.comm = [bucket_comm.BucketComm(schedule, b, region) for b in range(len(self.members))]
     # parameter index -> the storage leaf holding it (a rolled stack: its layer 0's index)
     self.storage_of = {i: k for k, leaf in enumerate(schedule.storage) for i in leaf.members}
     self.consts = dict(zip(program.const_ids, program.consts))
@@ -232,93 +232,6 @@ class _DeviceProgram:
 
   def wire_dtype(self, i):
     return ir.reduce_wire_dtype(self.s.params[i].dtype, self.s.config, self.s.platform)
-
-  def gather_axes(self, phase: str):
-    return tuple(ir.collective_axes("gather", phase, self.s.config)["axes"])
-
-  def gather_quantization(self, b, phase: str):
-    """qwZ of bucket b's gathers in `phase` (hpZ: backward moves the forward's secondary,
-    and the config quantizes both phases or neither)."""
-    return ir.gather_quantization(self.s.buckets[b], phase, self.s.config)
-
-  def reduce_quantization(self, b):
-    return ir.reduce_quantization(self.s.buckets[b], self.s.config)
-
-  # ---- a bucket's collectives (unrolled and per loop layer) -----------------------------
-  # Under tensor parallelism each runs manual over the tensor axis too (tensor_parallel.py):
-  # every device moves its own TP slices over the data axes, and the parameters come out
-  # natural-shaped, split over the tensor axis on their tensor dimension. A bucket's wire
-  # (and its hpZ secondary) is then one per tensor rank: a leading axis of T rows.
-  def gather_bucket(self, b, phase: str, chunks, entries, keep_wire=False):
-    """-> (the bucket's parameters from this device's chunks, its gathered wire or None)."""
-    quantization, axes = self.gather_quantization(b, phase), self.gather_axes(phase)
-    if not self.tensor_axis:
-      wire, _ = collectives.gather_wire(chunks, axes, quantization)
-      return collectives.unpack_wire(wire, chunks, entries, self.n, quantization), wire
-    slices = [tensor_parallel.slice_entry(e) for e in entries]
-
-    def gather(local):
-      wire, _ = collectives.gather_wire(local, axes, quantization)
-      values = collectives.unpack_wire(wire, local, slices, self.n, quantization)
-      return values + [wire] if keep_wire else values
-
-    out = tensor_parallel.nested(
-      gather, entries, self.tensor_axis, "storage", "natural", ranked_out=int(keep_wire)
-    )(chunks)
-    return (out[:-1], out[-1]) if keep_wire else (out, None)
-
-  def secondary_of(self, wire, entries):
-    """hpZ: this device's secondary rows of a bucket's gathered wire."""
-    rows = functools.partial(
-      collectives.secondary_rows, replicas=self.s.replicas, shard_axes=self.shard_axes
-    )
-    if not self.tensor_axis:
-      return rows(wire)
-    (secondary,) = tensor_parallel.nested(
-      lambda w: [rows(w[0])], entries, self.tensor_axis, "none", "none", ranked_in=1, ranked_out=1
-    )([wire])
-    return secondary
-
-  def regather_bucket(self, b, secondary, chunks, entries):
-    """hpZ's backward gather of a bucket from its secondary, over the shard axes only
-    (`chunks`: the shapes of this device's storage chunks, for unpacking)."""
-    quantization = self.gather_quantization(b, "backward")
-    if not self.tensor_axis:
-      wire = collectives.gather_from_secondary(secondary, self.shard_axes)
-      return collectives.unpack_wire(wire, chunks, entries, self.n, quantization)
-    slices = [tensor_parallel.slice_entry(e) for e in entries]
-    local = [tensor_parallel.rank_chunk(c, e) for c, e in zip(chunks, entries)]
-
-    def regather(values):
-      wire = collectives.gather_from_secondary(values[0], self.shard_axes)
-      return collectives.unpack_wire(wire, local, slices, self.n, quantization)
-
-    return tensor_parallel.nested(
-      regather, entries, self.tensor_axis, "none", "natural", ranked_in=1
-    )([secondary])
-
-  def scatter_bucket(self, b, grads, entries):
-    """-> this device's chunks of a bucket's gradients (natural-shaped `grads`, in the
-    reduce dtype), reduce-scattered and averaged over the devices."""
-    members = self.members[b]
-
-    def scatter(grads, entries=entries):
-      return collectives.reduce_scatter_bucket(
-        grads,
-        entries,
-        self.n,
-        self.storage_axes,
-        self.wire_dtype(members[0]),
-        self.mean_over,
-        self.reduce_quantization(b),
-      )
-
-    if not self.tensor_axis:
-      return scatter(grads)
-    slices = [tensor_parallel.slice_entry(e) for e in entries]
-    return tensor_parallel.nested(
-      lambda g: scatter(g, slices), entries, self.tensor_axis, "natural", "storage"
-    )(grads)
 
   def run(self, shard_leaves, batch, extra):
     """-> ((mean loss, new extra averaged over devices), local gradient shards)."""
@@ -412,7 +325,7 @@ class _State:
         jax.ShapeDtypeStruct(x.shape, self.dp.compute_dtype(i))  # (for unpacking)
         for i, x in zip(members, chunks)
       ]
-      self.gathered.update(zip(members, self.dp.regather_bucket(b, secondary, chunks, entries)))
+      self.gathered.update(zip(members, self.dp.comm[b].regather(secondary, chunks, entries)))
       return
     if self.anchor is not None:
       chunks, _ = lax.optimization_barrier((chunks, self.anchor))
@@ -420,8 +333,8 @@ class _State:
     chunks = [
       offload.on_device(x).astype(self.dp.compute_dtype(i)) for i, x in zip(members, chunks)
     ]
-    values, wire = self.dp.gather_bucket(
-      b, phase, chunks, entries, keep_wire=self.dp.secondary_partition
+    values, wire = self.dp.comm[b].gather(
+      phase, chunks, entries, keep_wire=self.dp.secondary_partition
     )
     if self.dp.secondary_partition:
       self.wires[b] = wire
@@ -429,7 +342,7 @@ class _State:
 
   def keep_secondary(self, b):
     entries = [self.dp.s.params[i] for i in self.dp.members[b]]
-    secondary = self.dp.secondary_of(self.wires[b], entries)
+    secondary = self.dp.comm[b].secondary(self.wires[b], entries)
     # sliced before the bucket's parameters are used: else XLA may slice just before the
     # backward re-gather and keep the whole gathered wire alive through the forward pass
     members = [i for i in self.dp.members[b] if i in self.gathered]
@@ -456,7 +369,7 @@ class _State:
       else g.astype(self.dp.reduce_dtype(i))
       for i, g, e in zip(members, grads, entries)
     ]
-    for i, chunk in zip(members, self.dp.scatter_bucket(b, grads, entries)):
+    for i, chunk in zip(members, self.dp.comm[b].scatter(grads, entries)):
       self.add_shard_grad(self.dp.storage_of[i], chunk)
 
   def add_shard_grad(self, k, chunk):

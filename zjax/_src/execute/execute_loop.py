@@ -27,8 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from zjax._src.errors import ScheduleMismatchError
-from zjax._src.execute import quantize
-from zjax._src.layout import layout, tensor_parallel
+from zjax._src.layout import layout
 from zjax._src.program import loops
 from zjax._src.program import segments as seg_lib
 from zjax._src.schedule import ir
@@ -170,16 +169,14 @@ class Loop:
         chunks = [
           jax.ShapeDtypeStruct(shard_rows[i].shape, self.dp.compute_dtype(i)) for i in members
         ]  # (for unpacking; nothing moves from the host)
-        values = self.dp.regather_bucket(b, secondary[b], chunks, entries)
+        values = self.dp.comm[b].regather(secondary[b], chunks, entries)
       else:  # offload_params: the layer's rows come from the host here
         chunks = [
           offload.on_device(shard_rows[i]).astype(self.dp.compute_dtype(i)) for i in members
         ]
-        values, wire = self.dp.gather_bucket(
-          b, phase, chunks, entries, keep_wire=b in self.secondary
-        )
+        values, wire = self.dp.comm[b].gather(phase, chunks, entries, keep_wire=b in self.secondary)
         if b in self.secondary:
-          kept[b] = self.dp.secondary_of(wire, entries)
+          kept[b] = self.dp.comm[b].secondary(wire, entries)
       layers.update(zip(members, values))
     return layers, kept
 
@@ -189,24 +186,9 @@ class Loop:
     out = {}
     for b in self.secondary:
       members = self.dp.members[b]
-      rows = [
-        tensor_parallel.rank_chunk(
-          jax.ShapeDtypeStruct(shards[i].shape[1:], self.dp.compute_dtype(i)),
-          layout.layer_entry(self.dp.s.params[i]),
-        )
-        for i in members
-      ]
-      quantization = self.dp.gather_quantization(b, "forward")
-      wire = jax.eval_shape(
-        lambda r: (
-          layout.to_wire(jnp.concatenate(r))
-          if quantization is None
-          else quantize.pack(jnp.concatenate(r), quantization)
-        ),
-        rows,
-      )
-      ranks = (self.dp.s.tensor_sizes[0],) if self.dp.tensor_axis else ()
-      out[b] = jnp.zeros((self.length,) + ranks + (self.dp.s.replicas, wire.shape[0]), wire.dtype)
+      rows = [jax.ShapeDtypeStruct(shards[i].shape[1:], self.dp.compute_dtype(i)) for i in members]
+      entries = [layout.layer_entry(self.dp.s.params[i]) for i in members]
+      out[b] = self.dp.comm[b].secondary_stack(self.length, rows, entries)
     return out
 
   def scatter_layer(self, layer_grads: dict, buckets=None) -> dict:
@@ -224,7 +206,7 @@ class Loop:
         else jnp.zeros(e.shape, self.dp.reduce_dtype(i))
         for i, e in zip(members, entries)
       ]
-      out.update(zip(members, self.dp.scatter_bucket(b, grads, entries)))
+      out.update(zip(members, self.dp.comm[b].scatter(grads, entries)))
     return out
 
   # ---- forward ---------------------------------------------------------------------------
