@@ -59,10 +59,11 @@ def region_of(schedule):
 
 
 class BucketComm:
-  """Bucket b's collectives on one device (inside the step's shard_map). `entries` given to
-  each method describe what one gather makes whole (a layer entry for stacked members)."""
+  """Bucket b's collectives on one device (inside the step's shard_map); `first`: the index
+  of its first member parameter. `entries` given to each method describe what one gather
+  makes whole (a layer entry for stacked members)."""
 
-  def __init__(self, schedule, b: int, region):
+  def __init__(self, schedule, b: int, first: int, region):
     config, bucket = schedule.config, schedule.buckets[b]
     self.region, self.n = region, schedule.num_devices
     self.axes = {
@@ -76,19 +77,19 @@ class BucketComm:
     self.storage_axes, self.shard_axes = config.storage_axes, config.shard_axes
     self.mean_over = config.averaged_axes  # HSDP: gradient shards averaged over replicas
     self.replicas = schedule.replicas
-    first = schedule.param(bucket.params[0])
-    self.wire_dtype = ir.reduce_wire_dtype(first.dtype, config, schedule.platform)
+    dtype = schedule.params[first].dtype
+    self.wire_dtype = ir.reduce_wire_dtype(dtype, config, schedule.platform)
 
   def gather(self, phase: str, chunks, entries, keep_wire=False):
     """-> (the bucket's parameters from this device's chunks, its gathered wire or None)."""
-    quantization, axes, slices = self.quantization[phase], self.axes[phase], None
+    quantization, axes = self.quantization[phase], self.axes[phase]
+    slices = self.region.slices(entries)
 
     def gather(local):
       wire, _ = collectives.gather_wire(local, axes, quantization)
       values = collectives.unpack_wire(wire, local, slices, self.n, quantization)
       return values + [wire] if keep_wire else values
 
-    slices = self.region.slices(entries)
     out = self.region.run(gather, entries, "storage", "natural", ranked_out=int(keep_wire))(chunks)
     return (out[:-1], out[-1]) if keep_wire else (out, None)
 

@@ -170,8 +170,6 @@ class _DeviceProgram:
     self.s, self.program = schedule, program
     config = schedule.config
     self.n, self.data_axes = schedule.num_devices, config.data_axes
-    self.storage_axes, self.shard_axes = config.storage_axes, config.shard_axes
-    self.mean_over = config.averaged_axes  # HSDP: gradient shards averaged over replicas
     self.secondary_partition = config.secondary_partition  # hpZ
     analysis = seg_lib.analyze(
       program,
@@ -185,7 +183,9 @@ class _DeviceProgram:
     index = {p.path: i for i, p in enumerate(schedule.params)}
     self.members = [[index[path] for path in b.params] for b in schedule.buckets]
     region = bucket_comm.region_of(schedule)  # every bucket's collectives, chosen once
-    self.comm = [bucket_comm.BucketComm(schedule, b, region) for b in range(len(self.members))]
+    self.comm = [
+      bucket_comm.BucketComm(schedule, b, m[0], region) for b, m in enumerate(self.members)
+    ]
     # parameter index -> the storage leaf holding it (a rolled stack: its layer 0's index)
     self.storage_of = {i: k for k, leaf in enumerate(schedule.storage) for i in leaf.members}
     self.consts = dict(zip(program.const_ids, program.consts))
