@@ -1,5 +1,5 @@
 """A weight-dominated convolution (its kernel outweighs its image's patches: a deep stage of
-a CNN on a small image) runs as matmuls over the patches (segments._conv_as_patch_matmul):
+a CNN on a small image) runs as matmuls over the patches (conv_rule.conv_as_patch_matmul):
 the kernel is read in place and its gradient is emitted in the kernel's own dim order.
 XLA's CPU convolution copied such a kernel (reversed when the window is wider than the
 image, transposed for the input cotangent) and emitted its gradient input-features-major,
@@ -24,7 +24,7 @@ import pytest
 import real_models
 import zjax
 from helpers import assert_parity, assert_report_matches, case_temp, mesh_of
-from zjax._src.program import segments, trace
+from zjax._src.program import conv_rule, segments, trace
 
 REUSE0 = zjax.ZeroConfig(max_reuse_distance=0)
 SHARDED = zjax.ZeroConfig(param_persistence_threshold=0, max_reuse_distance=0)
@@ -104,7 +104,7 @@ def test_patch_matmuls_equal_the_convolution_and_its_vjp(name):
   conv = functools.partial(jax.lax.conv_general_dilated, **conv_args)
   out, vjp = jax.vjp(conv, image, kernel)
   ct = jax.random.normal(k[2], out.shape)
-  patched = segments._conv_as_patch_matmul(conv_op(image, kernel, **conv_args), True)
+  patched = conv_rule.conv_as_patch_matmul(conv_op(image, kernel, **conv_args), True)
   out2, vjp2 = jax.jit(lambda x, w: jax.vjp(patched, x, w))(image, kernel)
   np.testing.assert_allclose(out2, out, rtol=1e-5, atol=1e-5)
   for got, want in zip(jax.jit(vjp2)(ct), vjp(ct)):
@@ -116,7 +116,7 @@ def test_patch_matmuls_keep_bf16():
   image_shape, kernel_shape, conv_args = CONVS["nhwc"]
   image = jax.random.normal(jax.random.key(0), image_shape, jnp.bfloat16)
   kernel = jax.random.normal(jax.random.key(1), kernel_shape, jnp.bfloat16)
-  patched = segments._conv_as_patch_matmul(conv_op(image, kernel, **conv_args), True)
+  patched = conv_rule.conv_as_patch_matmul(conv_op(image, kernel, **conv_args), True)
   out, vjp = jax.vjp(patched, image, kernel)
   want = jax.lax.conv_general_dilated(image, kernel, **conv_args)
   assert out.dtype == jnp.bfloat16
@@ -174,7 +174,7 @@ def picked_convs(loss_fn, params, batch, trained=None):
   views = trace.param_views(t.program, len(t.params))
   perturbed = segments.needs_gradient(t.program, trained)
   return {
-    t.params[min(views[op.inputs[1]])].path: segments._kernel_dominated(op, set(views), perturbed)
+    t.params[min(views[op.inputs[1]])].path: conv_rule.kernel_dominated(op, set(views), perturbed)
     for op in t.program.ops
     if op.primitive == "conv_general_dilated"
   }
@@ -236,7 +236,7 @@ def test_gradients_and_collectives_match(n, config):
 def test_patch_matmuls_lower_a_weight_dominated_resnets_temp(monkeypatch):
   case = real_models.resnet18(width=32, image=16)
   now = case_temp(case, REUSE0)
-  monkeypatch.setattr(segments, "_kernel_dominated", lambda *_: False)
+  monkeypatch.setattr(conv_rule, "kernel_dominated", lambda *_: False)
   xla = case_temp(case, REUSE0)
   # XLA's convolution held a second copy of a last-stage kernel (3x3x256x256 fp32, 2.25 MiB)
   kernel = 3 * 3 * 256 * 256 * 4
@@ -287,13 +287,13 @@ def test_as_accurate_as_plain_fp32_on_an_ill_conditioned_resnet(rule, monkeypatc
     exact = _grouped_grads(case, n, jnp.float64)
   plain = _relative_error(_grouped_grads(case, n, jnp.float32), exact)
   picked = []
-  kernel_dominated = segments._kernel_dominated
+  kernel_dominated = conv_rule.kernel_dominated
 
   def spy(*args):
     picked.append(kernel_dominated(*args))
     return picked[-1] and rule
 
-  monkeypatch.setattr(segments, "_kernel_dominated", spy)
+  monkeypatch.setattr(conv_rule, "kernel_dominated", spy)
   mesh = mesh_of(n)
   schedule = zjax.compile_schedule(
     case.loss_fn, case.params, case.batch, mesh=mesh, extra=case.extra
