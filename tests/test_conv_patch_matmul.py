@@ -11,7 +11,9 @@ padding and dilation; which convolutions the rule picks; gradients equal plain
 single-device JAX (fp32 rtol 1e-5) on 8 and 4 devices with the report equal to the compiled
 program's collectives; ResNet-18's layout at width 32 against XLA's convolution side by
 side, and at or below GSPMD's temp; an ill-conditioned ResNet's gradients as close to
-fp64 as plain fp32's, with the rule and without.
+fp64 as plain fp32's, with the rule and without; per op, on wide kernels over 1x1 and 2x2
+images, the rule's sums in lanes (no copy of the kernel) and its error against fp64 within
+1.25x of XLA's convolution's (issue 42).
 """
 
 import functools
@@ -93,12 +95,30 @@ CONVS = {  # name -> (image shape, kernel shape, conv args)
     dict(dimension_numbers=("NHWDC", "HWDIO", "NHWDC"), window_strides=(1, 2, 1), padding="SAME"),
   ),
 }
+# Wide kernels on images of 1x1 and 2x2: their sums run in lanes (conv_rule._lane_dot), as
+# contiguous chunks (an HWIO kernel's forward, an OIHW kernel's input cotangent) or
+# interleaved (the other two).
+WIDE_CONVS = {
+  "hwio_1x1": ((2, 1, 1, 128), (3, 3, 128, 128), dict(CONVS["nhwc"][2])),
+  "hwio_2x2": ((2, 2, 2, 128), (3, 3, 128, 128), dict(CONVS["nhwc"][2])),
+  "oihw_1x1": (
+    (2, 128, 1, 1),
+    (128, 128, 3, 3),
+    dict(CONVS["ohwi"][2], dimension_numbers=("NCHW", "OIHW", "NCHW")),
+  ),
+  "oihw_2x2": (
+    (2, 128, 2, 2),
+    (128, 128, 3, 3),
+    dict(CONVS["ohwi"][2], dimension_numbers=("NCHW", "OIHW", "NCHW")),
+  ),
+  "ohwi_strided": ((2, 64, 3, 2), (96, 3, 3, 64), dict(CONVS["ohwi"][2], window_strides=(2, 1))),
+}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(CONVS))
+@pytest.mark.parametrize("name", sorted(CONVS) + sorted(WIDE_CONVS))
 def test_patch_matmuls_equal_the_convolution_and_its_vjp(name):
-  image_shape, kernel_shape, conv_args = CONVS[name]
+  image_shape, kernel_shape, conv_args = {**CONVS, **WIDE_CONVS}[name]
   k = jax.random.split(jax.random.key(0), 3)
   image, kernel = jax.random.normal(k[0], image_shape), jax.random.normal(k[1], kernel_shape)
   conv = functools.partial(jax.lax.conv_general_dilated, **conv_args)
@@ -106,10 +126,15 @@ def test_patch_matmuls_equal_the_convolution_and_its_vjp(name):
   ct = jax.random.normal(k[2], out.shape)
   patched = conv_rule.conv_as_patch_matmul(conv_op(image, kernel, **conv_args), True)
   out2, vjp2 = jax.jit(lambda x, w: jax.vjp(patched, x, w))(image, kernel)
-  np.testing.assert_allclose(out2, out, rtol=1e-5, atol=1e-5)
+  # rounding differs (sums of up to 1152 products here): an absolute tolerance at the
+  # scale of each result (its accuracy against fp64 is the test below)
+  close = lambda got, want: np.testing.assert_allclose(  # noqa: E731
+    got, want, rtol=1e-5, atol=max(1e-5, 2e-6 * float(np.abs(want).max()))
+  )
+  close(out2, out)
   for got, want in zip(jax.jit(vjp2)(ct), vjp(ct)):
     assert got.shape == want.shape and got.dtype == want.dtype
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    close(got, want)
 
 
 def test_patch_matmuls_keep_bf16():
@@ -303,3 +328,67 @@ def test_as_accurate_as_plain_fp32_on_an_ill_conditioned_resnet(rule, monkeypatc
   assert any(picked)  # the rule's convolutions are there (run or not)
   got = _relative_error(zjax.unshard(grads, schedule), exact)
   assert got <= 1.25 * plain, (got, plain)
+
+
+@pytest.mark.parametrize("name", sorted(WIDE_CONVS))
+def test_wide_kernels_sum_in_lanes_without_copying_the_kernel(name, monkeypatch):
+  image_shape, kernel_shape, conv_args = WIDE_CONVS[name]
+  image, kernel = jnp.ones(image_shape), jnp.ones(kernel_shape)
+  picked = []
+  lanes = conv_rule._lanes
+  monkeypatch.setattr(
+    conv_rule, "_lanes", lambda *args: picked.append((args[-1], lanes(*args))) or picked[-1][1]
+  )
+  patched = conv_rule.conv_as_patch_matmul(conv_op(image, kernel, **conv_args), True)
+  text = jax.jit(lambda x, w: jax.vjp(patched, x, w)[1](patched(x, w))).lower(image, kernel)
+  text = text.compile().as_text()
+  # the forward and the image cotangent: one chunked, the other interleaved (which is
+  # which depends on where the kernel keeps its output features), both in 4 to 32 lanes
+  assert {chunked for chunked, _ in picked} == {False, True}, picked
+  assert all(4 <= n <= conv_rule.MAX_LANES for _, n in picked), picked
+  # the kernel is only ever bitcast: no copy or transpose of its size (the rule's point)
+  kernel_elems = int(np.prod(kernel_shape))
+  copies = [
+    line
+    for line in text.splitlines()
+    if (" copy(" in line or " transpose(" in line)
+    and line.split("=")[1].split("{")[0].strip().startswith("f32[")
+    and int(np.prod([int(d) for d in line.split("f32[")[1].split("]")[0].split(",") if d]))
+    >= kernel_elems
+  ]
+  assert not copies, copies
+
+
+def _op_errors(image_shape, kernel_shape, conv_args, seeds=4):
+  """RMS relative error against fp64 of XLA's convolution and of the rule: (forward, image
+  cotangent, kernel cotangent), each the mean over `seeds` random draws."""
+  conv = functools.partial(jax.lax.conv_general_dilated, **conv_args)
+  errors = {"xla": np.zeros(3), "rule": np.zeros(3)}
+  for seed in range(seeds):
+    k = jax.random.split(jax.random.key(seed), 3)
+    image, kernel = jax.random.normal(k[0], image_shape), jax.random.normal(k[1], kernel_shape)
+    ct = jax.random.normal(k[2], jax.eval_shape(conv, image, kernel).shape)
+    with jax.enable_x64(True):
+      wide = [jnp.asarray(np.asarray(a), jnp.float64) for a in (image, kernel, ct)]
+      out, vjp = jax.vjp(conv, *wide[:2])
+      exact = [np.asarray(out), *(np.asarray(c) for c in vjp(wide[2]))]
+    patched = conv_rule.conv_as_patch_matmul(conv_op(image, kernel, **conv_args), True)
+    for name, fn in (("xla", conv), ("rule", patched)):
+      out, vjp = jax.jit(lambda x, w: jax.vjp(fn, x, w))(image, kernel)  # noqa: B023
+      got = [out, *jax.jit(vjp)(ct)]
+      errors[name] += [
+        np.sqrt(np.mean((np.float64(g) - e) ** 2) / np.mean(e**2)) for g, e in zip(got, exact)
+      ]
+  return errors["xla"] / seeds, errors["rule"] / seeds
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(WIDE_CONVS))
+@pytest.mark.usefixtures("fully_optimized")  # rounding, as users' programs round
+def test_the_rule_is_as_accurate_as_xlas_convolution(name):
+  """Per op, against fp64: the rule's forward and both cotangents are within 1.25x of XLA's
+  convolution's error (issue 42). In one running sum per output (no lanes) the forward
+  was 1.8-2.7x XLA's error on these shapes, the image cotangent up to 1.6x. Measured
+  (2026-12-06, the mean of 4 draws): 0.67-1.09x."""
+  xla, rule = _op_errors(*WIDE_CONVS[name])
+  assert np.all(rule <= 1.25 * xla), (rule / xla, rule, xla)
