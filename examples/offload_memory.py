@@ -99,9 +99,7 @@ def main(args):
     f"{'step ms':>8} {'vs on-device':>12} {'temp':>6} {'args':>6} {'host args':>9}"
   )
   for (precision, mode), (trainer, box, times) in runs.items():
-    memory = zjax.hlo.compile_for_analysis(
-      trainer.step.lower(box[0], model.batch)
-    ).memory_analysis()
+    memory = zjax.hlo.compile_for_analysis(trainer.lower(box[0], model.batch)).memory_analysis()
     mib = lambda name: getattr(memory, name) / 2**20  # noqa: E731
     state = (box[0].params, box[0].opt_state, box[0].masters)
     per = lambda kind: zjax.per_device_bytes(state, kind) * n / params  # noqa: E731

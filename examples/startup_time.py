@@ -47,7 +47,7 @@ def measure(layers):
   trainer = zjax.zero3(model.loss_fn, optax.adamw(1e-3), schedule, mesh=mesh)
   state, init = timed(lambda: trainer.init(model.params))
   _, init_again = timed(lambda: trainer.init(model.params))
-  lowered, lower = timed(lambda: trainer.step.lower(state, model.batch))
+  lowered, lower = timed(lambda: trainer.lower(state, model.batch))
   _, compile_ = timed(lowered.compile)
   return {
     "layers": layers,

@@ -254,6 +254,13 @@ def test_steps_do_not_recompile_and_state_is_donated():
       state, _ = trainer.step(state, batch)
       assert all(x.is_deleted() for x in jax.tree.leaves(old.params))  # donated
   assert not compiled
+  # the trainer is plain data (issue 45): functions as fields, none patched onto another;
+  # `lower` is the step's own program (the cached jit: lowering it compiles nothing new)
+  assert not hasattr(trainer.step, "lower")
+  assert isinstance(trainer.lower(state, batch), jax.stages.Lowered)
+  with compiles_logged() as compiled:
+    trainer.lower(state, batch).compile()
+  assert not compiled
 
 
 def test_nonfinite_steps_leave_the_state_unchanged():

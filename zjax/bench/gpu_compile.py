@@ -183,7 +183,7 @@ def zjax_lowered(model: Model, config, mesh):
     model.loss_fn, model.params, model.batch, mesh=mesh, config=config, **model.plan
   )
   trainer = zjax.zero3(model.loss_fn, optax.adamw(1e-3), schedule, mesh=mesh)
-  return schedule, trainer.step.lower(trainer.abstract_state(), sharded_batch(model.batch, mesh))
+  return schedule, trainer.lower(trainer.abstract_state(), sharded_batch(model.batch, mesh))
 
 
 def measure_zjax(model: Model, config, layout: str) -> dict:

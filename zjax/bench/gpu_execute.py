@@ -136,7 +136,7 @@ def run_zjax(tiny: bool, offload: str | None = None) -> dict:
   jax.block_until_ready(state)
   initialised = time.perf_counter()
   gpu_record.progress("initialised", seconds=initialised - planned)
-  compiled = trainer.step.lower(state, batch).compile()
+  compiled = trainer.lower(state, batch).compile()
   compiled_at = time.perf_counter()
   gpu_record.progress("compiled", seconds=compiled_at - initialised)
 

@@ -64,7 +64,7 @@ def zjax_method(name, loss_fn, params, batch, mesh, config, optimizer, **plan) -
   box = [jax.block_until_ready(trainer.init(params))]
   setup = time.perf_counter() - start
   compile_start = time.perf_counter()
-  lowered = trainer.step.lower(box[0], batch)
+  lowered = trainer.lower(box[0], batch)
   analysis = zjax.hlo.compile_for_analysis(lowered)
   seconds = time.perf_counter() - compile_start
   executable = []  # XLA's own compile of the same lowering, made when first run

@@ -345,7 +345,7 @@ def _summary(settings, trainer, state, history, speed, seconds, batch) -> dict:
   """The end-of-run figures. Memory and collectives are those of the step as a GPU orders it
   (hlo.compile_for_analysis); on CPU also those of the program the CPU executed (XLA's own
   compile, where CSE may merge a backward re-gather into a forward gather)."""
-  lowered = trainer.step.lower(state, batch)
+  lowered = trainer.lower(state, batch)
   analysis = hlo.compile_for_analysis(lowered)
   memory, executed = analysis.memory_analysis(), hlo.executed(analysis.as_text())
   report = trainer.schedule.report()
