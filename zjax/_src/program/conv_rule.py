@@ -93,8 +93,11 @@ def conv_as_patch_matmul(op, image_differentiated: bool):
 # XLA's convolution (which this rule replaces) on 1x1 and 2x2 images, 1.0-1.3x with the
 # partial sums (tests/test_conv_patch_matmul.py, against fp64).
 MAX_LANES = 32
-# What the partial sums may add to the matmul's buffers, as a fraction of the kernel.
-LANE_BUDGET = 1 / 2
+# What the lanes may add to the matmul's buffers, as a fraction of the kernel: the partial
+# outputs of contiguous chunks (on CPU, XLA fuses their sum into the matmul: measured, no
+# temp added), and the block-diagonal copy of interleaved lanes (a buffer of its own).
+CHUNKS_BUDGET = 1
+INTERLEAVED_BUDGET = 1 / 4
 
 
 def _lane_dot(kernel, other, kernel_dims, other_dims, split, matmul):
@@ -111,7 +114,8 @@ def _lane_dot(kernel, other, kernel_dims, other_dims, split, matmul):
   contiguous chunks of it and they and those dims become the matmul's batch dims, leading
   in the kernel: the partial outputs are the extra buffer. Elsewhere the lanes interleave
   (lane j takes the indices = j mod lanes) through a block-diagonal copy of `other`, lanes
-  times its size. Lanes are halved until that buffer fits `LANE_BUDGET`."""
+  times its size. Lanes are halved until that buffer fits its budget (`CHUNKS_BUDGET`,
+  `INTERLEAVED_BUDGET`)."""
   kd, od = kernel_dims[split], other_dims[split]
   # the pairs in the kernel's dim order: the matmul reads the kernel's summed dims in the
   # order they lie in memory (another order, and XLA copies the kernel to match it)
@@ -159,7 +163,7 @@ def _lane_dot(kernel, other, kernel_dims, other_dims, split, matmul):
 
 def _lanes(kernel, other, kernel_dims, split, chunked) -> int:
   """The most lanes, a power of two up to `MAX_LANES` dividing the split dim, whose extra
-  buffer fits `LANE_BUDGET`: the partial outputs (one per lane and per leading kernel
+  buffer fits its budget: the partial outputs (one per lane and per leading kernel
   index) if `chunked`, else the block-diagonal copy of `other`."""
   kd = kernel_dims[split]
   summed = int(np.prod([kernel.shape[d] for d in kernel_dims]))
@@ -167,8 +171,9 @@ def _lanes(kernel, other, kernel_dims, split, chunked) -> int:
     per_lane = int(np.prod(kernel.shape[:kd])) * (kernel.size // summed) * (other.size // summed)
   else:
     per_lane = other.size
+  budget = (CHUNKS_BUDGET if chunked else INTERLEAVED_BUDGET) * kernel.size
   lanes = MAX_LANES
-  while lanes > 1 and (kernel.shape[kd] % lanes or per_lane * lanes > LANE_BUDGET * kernel.size):
+  while lanes > 1 and (kernel.shape[kd] % lanes or per_lane * lanes > budget):
     lanes //= 2
   return lanes
 
