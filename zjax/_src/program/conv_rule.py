@@ -90,7 +90,7 @@ def conv_as_patch_matmul(op, image_differentiated: bool):
 
 # Each output of the rule's matmuls sums its products in up to this many partial sums, added
 # at the end. XLA's CPU dot sums a contraction in one running sum: 1.8-4.1x the error of
-# XLA's convolution (which this rule replaces) on 1x1 and 2x2 images, 1.0-1.3x with the
+# XLA's convolution (which this rule replaces) on 1x1 and 2x2 images, 0.3-1.3x with the
 # partial sums (tests/test_conv_patch_matmul.py, against fp64).
 MAX_LANES = 32
 # What the lanes may add to the matmul's buffers, as a fraction of the kernel: the partial
