@@ -226,7 +226,7 @@ def test_scanned_layers_store_and_gather_each_layers_slices(name):
   )
   step, sharded = step_matches_reference(scanned_mlp_loss, schedule, mesh, params, BATCH)
   assert zjax.per_device_bytes(sharded) == schedule.report()["state_bytes_per_device"]
-  assert_report_equals_hlo(step, (sharded, BATCH), mesh, schedule)
+  assert_report_equals_hlo(step.lower, (sharded, BATCH), mesh, schedule)
 
 
 def ir_padded(size, n):
@@ -331,7 +331,7 @@ def test_persistent_tensor_parallel_leaves_of_rolled_layers(name):
   width = params["l0"]["b1"].shape[0]
   assert sharded["l0"]["b1"].sharding.shard_shape(sharded["l0"]["b1"].shape) == (2, width // t)
   assert zjax.per_device_bytes(sharded) == schedule.report()["state_bytes_per_device"]
-  assert_report_equals_hlo(step, (sharded, BATCH), mesh, schedule)
+  assert_report_equals_hlo(step.lower, (sharded, BATCH), mesh, schedule)
 
 
 @pytest.mark.slow
@@ -351,7 +351,7 @@ def test_explicit_data_axes_beside_an_auto_tensor_axis(scanned):
     tensor_specs=SCAN_RULES if scanned else RULES,
   )
   step, sharded = step_matches_reference(loss_fn, schedule, mesh, params, BATCH)
-  assert_report_equals_hlo(step, (sharded, BATCH), mesh, schedule)
+  assert_report_equals_hlo(step.lower, (sharded, BATCH), mesh, schedule)
   optimizer = optax.adamw(1e-2)
   trainer = zjax.zero3(loss_fn, optimizer, schedule, mesh=mesh)
   state, ref = steps_like_optax(trainer, trainer.init(params), loss_fn, optimizer, params, BATCH, 3)
@@ -550,7 +550,7 @@ def test_scanned_annotated_linen_model_with_sequence_parallel_constraints():
   )
   assert rolled_lengths(schedule) == [2] and len(schedule.notes) == 1
   step, sharded = step_matches_reference(loss_fn, schedule, mesh, boxed, x)
-  assert_report_equals_hlo(step, (sharded, x), mesh, schedule, megatron_layout=False)
+  assert_report_equals_hlo(step.lower, (sharded, x), mesh, schedule, megatron_layout=False)
 
 
 @pytest.mark.slow
@@ -697,8 +697,9 @@ def test_nnx_model_with_partitioning_metadata():
   step_matches_reference(loss_fn, schedule, mesh, params, BATCH)
 
 
-def assert_report_equals_hlo(step, args, mesh, schedule, megatron_layout=True):
-  text = zjax.hlo.compile_for_analysis(step.lower(*args)).as_text()
+def assert_report_equals_hlo(lower, args, mesh, schedule, megatron_layout=True):
+  """`lower(*args)`: a step's lowering (`step.lower`, or a trainer's `lower`)."""
+  text = zjax.hlo.compile_for_analysis(lower(*args)).as_text()
   executed, report = data_axis_bytes(text, mesh), schedule.report()
   for kind in ("all_gather", "reduce_scatter", "all_to_all"):
     assert executed.get(kind, {}) == report[f"{kind}_bytes_by_axis"], kind
@@ -800,7 +801,7 @@ def test_annotated_gpt_with_a_vocab_parallel_tied_embedding(name, layout, scan):
   assert rolled_lengths(schedule) == ([] if "roll_layers" in layout else [2])
   step, sharded = step_matches_reference(loss_fn, schedule, mesh, boxed, batch)
   assert zjax.per_device_bytes(sharded) == schedule.report()["state_bytes_per_device"]
-  assert_report_equals_hlo(step, (sharded, batch), mesh, schedule)
+  assert_report_equals_hlo(step.lower, (sharded, batch), mesh, schedule)
   if layout.get("secondary_partition"):  # the backward re-gathers each TP slice from its
     assert schedule.report()["all_gather_bytes_by_axis"]["fsdp"] > 0  # secondary, over fsdp
 
@@ -873,7 +874,7 @@ def test_hpz_keeps_each_tensor_ranks_secondary_slices(quantization, roll):
   assert_trees_close(zjax.unshard(grads, schedule), ref_grads)
   report = schedule.report()
   assert set(report["all_gather_bytes_by_axis"]) == {"replica+fsdp", "fsdp"}
-  assert_report_equals_hlo(step, (sharded, BATCH), mesh, schedule)
+  assert_report_equals_hlo(step.lower, (sharded, BATCH), mesh, schedule)
 
 
 @pytest.mark.slow
@@ -895,7 +896,7 @@ def test_nnx_gqa_decoder_of_the_real_models(name):
   step, sharded = step_matches_reference(
     case.loss_fn, schedule, mesh, case.params, case.batch, case.reference_loss_fn
   )
-  assert_report_equals_hlo(step, (sharded, case.batch), mesh, schedule, megatron_layout=False)
+  assert_report_equals_hlo(step.lower, (sharded, case.batch), mesh, schedule, megatron_layout=False)
 
 
 REAL_MODEL_PLANS = {  # torchtitan-style path rules for models not written for tensor parallelism
@@ -936,7 +937,7 @@ def test_real_models_roll_under_tensor_parallelism(model):
   step, sharded = step_matches_reference(
     case.loss_fn, schedule, mesh, case.params, case.batch, case.reference_loss_fn
   )
-  assert_report_equals_hlo(step, (sharded, case.batch), mesh, schedule, megatron_layout=False)
+  assert_report_equals_hlo(step.lower, (sharded, case.batch), mesh, schedule, megatron_layout=False)
 
 
 @pytest.mark.slow
@@ -1007,7 +1008,7 @@ def test_bf16_compute_with_quantized_gathers_and_reductions():
   optimizer = optax.adamw(1e-2)
   trainer = zjax.zero3(mlp_loss, optimizer, schedule, mesh=mesh)
   state = trainer.init(params)
-  assert_report_equals_hlo(trainer.step, (state, BATCH), mesh, schedule)
+  assert_report_equals_hlo(trainer.lower, (state, BATCH), mesh, schedule)
   ref_params, ref_opt = params, optimizer.init(params)
   for _ in range(5):
     state, metrics = trainer.step(state, BATCH)
@@ -1173,7 +1174,7 @@ def test_nnx_out_sharding_under_tensor_parallelism(name):
   step, sharded = step_matches_reference(
     loss_fn, schedule, mesh, params, tokens, lambda p, b: loss_fn(p, b, typed=False)
   )
-  assert_report_equals_hlo(step, (sharded, tokens), mesh, schedule)
+  assert_report_equals_hlo(step.lower, (sharded, tokens), mesh, schedule)
 
 
 def test_an_out_sharding_zjax_cannot_trace_names_the_call_and_the_fix():
