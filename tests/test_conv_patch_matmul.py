@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import conv_rule_accuracy  # examples/: the measurement behind docs/results.md's table
 import real_models
 import zjax
 from helpers import assert_parity, assert_report_matches, case_temp, mesh_of
@@ -367,29 +368,6 @@ def test_wide_kernels_sum_in_lanes_without_copying_the_kernel(name, monkeypatch)
   assert not copies, copies
 
 
-def _op_errors(image_shape, kernel_shape, conv_args, seeds=4):
-  """RMS relative error against fp64 of XLA's convolution and of the rule: (forward, image
-  cotangent, kernel cotangent), each the mean over `seeds` random draws."""
-  conv = functools.partial(jax.lax.conv_general_dilated, **conv_args)
-  errors = {"xla": np.zeros(3), "rule": np.zeros(3)}
-  for seed in range(seeds):
-    k = jax.random.split(jax.random.key(seed), 3)
-    image, kernel = jax.random.normal(k[0], image_shape), jax.random.normal(k[1], kernel_shape)
-    ct = jax.random.normal(k[2], jax.eval_shape(conv, image, kernel).shape)
-    with jax.enable_x64(True):
-      wide = [jnp.asarray(np.asarray(a), jnp.float64) for a in (image, kernel, ct)]
-      out, vjp = jax.vjp(conv, *wide[:2])
-      exact = [np.asarray(out), *(np.asarray(c) for c in vjp(wide[2]))]
-    patched = conv_rule.conv_as_patch_matmul(conv_op(image, kernel, **conv_args), True)
-    for name, fn in (("xla", conv), ("rule", patched)):
-      out, vjp = jax.jit(lambda x, w: jax.vjp(fn, x, w))(image, kernel)  # noqa: B023
-      got = [out, *jax.jit(vjp)(ct)]
-      errors[name] += [
-        np.sqrt(np.mean((np.float64(g) - e) ** 2) / np.mean(e**2)) for g, e in zip(got, exact)
-      ]
-  return errors["xla"] / seeds, errors["rule"] / seeds
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(WIDE_CONVS))
 @pytest.mark.usefixtures("fully_optimized")  # rounding, as users' programs round
@@ -400,5 +378,5 @@ def test_the_rule_is_as_accurate_as_xlas_convolution(name):
   (2026-12-06, the mean of 4 draws): 0.67-1.05x at 2 samples per device; at 16, where
   the lanes' budget allows fewer, up to 1.12x (HWIO forward) and 1.30x (OIHW input
   cotangent)."""
-  xla, rule = _op_errors(*WIDE_CONVS[name])
+  xla, rule = conv_rule_accuracy.measure(*WIDE_CONVS[name], seeds=4)
   assert np.all(rule <= 1.35 * xla), (rule / xla, rule, xla)
