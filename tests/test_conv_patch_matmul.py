@@ -146,6 +146,37 @@ def test_patch_matmuls_equal_the_convolution_and_its_vjp(name):
     close(got, want)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CONVS))
+def test_lanes_keep_every_dimension_order_exact(name, monkeypatch):
+  """Every dimension order, stride, padding and dilation with lanes in both matmuls (the
+  budgets lifted, the feature dims widened to 32 so that 32 lanes divide them): the
+  rule's dims bookkeeping (chunks as batch dims, interleaved lanes, the kernel as either
+  operand) against lax."""
+  monkeypatch.setattr(conv_rule, "CHUNKS_BUDGET", float("inf"))
+  monkeypatch.setattr(conv_rule, "INTERLEAVED_BUDGET", float("inf"))
+  picked, lanes = [], conv_rule._lanes
+  monkeypatch.setattr(
+    conv_rule, "_lanes", lambda *args: picked.append((args[-1], lanes(*args))) or picked[-1][1]
+  )
+  image_shape, kernel_shape, conv_args = CONVS[name]
+  lhs, rhs, _ = jax.lax.conv_dimension_numbers(
+    image_shape, kernel_shape, conv_args["dimension_numbers"]
+  )
+  image_shape, kernel_shape = list(image_shape), list(kernel_shape)
+  image_shape[lhs[1]] = kernel_shape[rhs[1]] = kernel_shape[rhs[0]] = 32
+  k = jax.random.split(jax.random.key(0), 3)
+  image, kernel = jax.random.normal(k[0], image_shape), jax.random.normal(k[1], kernel_shape)
+  conv = functools.partial(jax.lax.conv_general_dilated, **conv_args)
+  out, vjp = jax.vjp(conv, image, kernel)
+  ct = jax.random.normal(k[2], out.shape)
+  patched = conv_rule.conv_as_patch_matmul(conv_op(image, kernel, **conv_args), True)
+  out2, vjp2 = jax.vjp(patched, image, kernel)
+  for got, want in zip([out2, *vjp2(ct)], [out, *vjp(ct)]):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6 * float(np.abs(want).max()))
+  assert {chunked for chunked, _ in picked} == {False, True} and {n for _, n in picked} == {32}
+
+
 def test_patch_matmuls_keep_bf16():
   image_shape, kernel_shape, conv_args = CONVS["nhwc"]
   image = jax.random.normal(jax.random.key(0), image_shape, jnp.bfloat16)
