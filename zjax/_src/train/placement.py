@@ -19,7 +19,7 @@ from zjax._src.train import offload
 from zjax._src.xla import xla_options
 
 
-def placement(schedule, mesh, optimizer, sub_groups, *, offload_optimizer, offload_params):
+def choose(schedule, mesh, optimizer, sub_groups, *, offload_optimizer, offload_params):
   """The placement for these knobs (checked: bools, offload_params needs offload_optimizer,
   host memory where offloading). `optimizer`: the masked optax transformation."""
   _check_offload(offload_optimizer, offload_params)

@@ -116,7 +116,7 @@ def zero3(
   trainable = _trainable_fn(schedule)
   masked_opt = optax.masked(optimizer, trainable)  # non-float, frozen: no optimizer state
   sub_groups = plan_sub_groups(schedule)
-  place = placement.placement(
+  place = placement.choose(
     schedule,
     mesh,
     masked_opt,
