@@ -122,10 +122,8 @@ WIDE_CONVS = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(CONVS) + sorted(WIDE_CONVS))
-def test_patch_matmuls_equal_the_convolution_and_its_vjp(name):
-  image_shape, kernel_shape, conv_args = {**CONVS, **WIDE_CONVS}[name]
+def _rule_against_lax(image_shape, kernel_shape, conv_args):
+  """[(the rule's, lax's)] output, image cotangent and kernel cotangent on random values."""
   k = jax.random.split(jax.random.key(0), 3)
   image, kernel = jax.random.normal(k[0], image_shape), jax.random.normal(k[1], kernel_shape)
   conv = functools.partial(jax.lax.conv_general_dilated, **conv_args)
@@ -133,6 +131,13 @@ def test_patch_matmuls_equal_the_convolution_and_its_vjp(name):
   ct = jax.random.normal(k[2], out.shape)
   patched = conv_rule.conv_as_patch_matmul(conv_op(image, kernel, **conv_args), True)
   out2, vjp2 = jax.jit(lambda x, w: jax.vjp(patched, x, w))(image, kernel)
+  return list(zip([out2, *jax.jit(vjp2)(ct)], [out, *vjp(ct)]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CONVS) + sorted(WIDE_CONVS))
+def test_patch_matmuls_equal_the_convolution_and_its_vjp(name):
+  pairs = _rule_against_lax(*{**CONVS, **WIDE_CONVS}[name])
   # the wide shapes sum up to 1152 products in another order than XLA's (lanes): an
   # absolute tolerance at the scale of each result there (their accuracy against fp64 is
   # test_the_rule_is_as_accurate_as_xlas_convolution)
@@ -140,8 +145,7 @@ def test_patch_matmuls_equal_the_convolution_and_its_vjp(name):
   close = lambda got, want: np.testing.assert_allclose(  # noqa: E731
     got, want, rtol=1e-5, atol=max(1e-5, scale * float(np.abs(want).max()))
   )
-  close(out2, out)
-  for got, want in zip(jax.jit(vjp2)(ct), vjp(ct)):
+  for got, want in pairs:
     assert got.shape == want.shape and got.dtype == want.dtype
     close(got, want)
 
@@ -165,14 +169,7 @@ def test_lanes_keep_every_dimension_order_exact(name, monkeypatch):
   )
   image_shape, kernel_shape = list(image_shape), list(kernel_shape)
   image_shape[lhs[1]] = kernel_shape[rhs[1]] = kernel_shape[rhs[0]] = 32
-  k = jax.random.split(jax.random.key(0), 3)
-  image, kernel = jax.random.normal(k[0], image_shape), jax.random.normal(k[1], kernel_shape)
-  conv = functools.partial(jax.lax.conv_general_dilated, **conv_args)
-  out, vjp = jax.vjp(conv, image, kernel)
-  ct = jax.random.normal(k[2], out.shape)
-  patched = conv_rule.conv_as_patch_matmul(conv_op(image, kernel, **conv_args), True)
-  out2, vjp2 = jax.jit(lambda x, w: jax.vjp(patched, x, w))(image, kernel)
-  for got, want in zip([out2, *jax.jit(vjp2)(ct)], [out, *vjp(ct)]):
+  for got, want in _rule_against_lax(image_shape, kernel_shape, conv_args):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6 * float(np.abs(want).max()))
   assert {chunked for chunked, _ in picked} == {False, True} and {n for _, n in picked} == {32}
 
