@@ -122,8 +122,7 @@ def _lane_dot(kernel, other, kernel_dims, other_dims, split, matmul):
   kernel_dims, other_dims = zip(*sorted(zip(kernel_dims, other_dims)))
   kernel_dims, other_dims, split = list(kernel_dims), list(other_dims), kernel_dims.index(kd)
   size = kernel.shape[kd]
-  leading = [kernel_dims.index(d) for d in range(kd) if d in kernel_dims]
-  chunked = len(leading) == kd
+  chunked = split == kd  # (sorted: every dim before kd is summed too)
   lanes = _lanes(kernel, other, kernel_dims, split, chunked)
   kernel_first = 0 not in kernel_dims
   kernel_free = kernel.ndim - len(kernel_dims)
@@ -144,10 +143,9 @@ def _lane_dot(kernel, other, kernel_dims, other_dims, split, matmul):
   if chunked:
     kernel = kernel.reshape(kernel.shape[:kd] + (lanes, size // lanes) + kernel.shape[kd + 1 :])
     other = other.reshape(other.shape[:od] + (lanes, size // lanes) + other.shape[od + 1 :])
-    batch = leading + [split]  # pairs whose kernel dim leads: batch dims
-    summed = [j for j in range(len(kernel_dims)) if j not in batch]
-    dims = [kd + 1] + [kernel_dims[j] for j in summed], [od + 1] + [other_dims[j] for j in summed]
-    batch = [kernel_dims[j] for j in batch], [other_dims[j] for j in batch]
+    # the pairs up to the split one lead the kernel: batch dims; the chunk and the rest summed
+    dims = [kd + 1] + kernel_dims[split + 1 :], [od + 1] + other_dims[split + 1 :]
+    batch = kernel_dims[: split + 1], other_dims[: split + 1]
     return dot(kernel, other, dims, batch).sum(tuple(range(len(batch[0]))))
   kernel = kernel.reshape(kernel.shape[:kd] + (size // lanes, lanes) + kernel.shape[kd + 1 :])
   other = other.reshape(other.shape[:od] + (size // lanes, lanes) + other.shape[od + 1 :])
