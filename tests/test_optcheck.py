@@ -36,6 +36,7 @@ def test_one_representative_per_distinct_shape_and_layout():
 def test_probe_runs_once_per_optimizer_and_layout(n, monkeypatch):
   loss, params, _, mesh, schedule = _schedule(n)
   calls = []
+  monkeypatch.setattr(optcheck, "_cache", {})  # (another test may have probed adamw(1e-3))
   real = optcheck._find_error
   monkeypatch.setattr(optcheck, "_find_error", lambda *a, **k: calls.append(1) or real(*a, **k))
   optimizer = optax.adamw(1e-3)
@@ -44,8 +45,30 @@ def test_probe_runs_once_per_optimizer_and_layout(n, monkeypatch):
   trainer.init(params)
   zjax.zero3(loss, optimizer, schedule, mesh=mesh).init(params)
   assert len(calls) == 1
-  zjax.zero3(loss, optax.adamw(1e-3), schedule, mesh=mesh).init(params)  # another optimizer
-  assert len(calls) == 2
+  # the same code and settings in another object (a rebuilt trainer, a sweep): not again
+  zjax.zero3(loss, optax.adamw(1e-3), schedule, mesh=mesh).init(params)
+  assert len(calls) == 1
+  for other in (optax.adamw(2e-3), optax.adam(1e-3), optax.adamw(np.float32(1e-3))):
+    zjax.zero3(loss, other, schedule, mesh=mesh).init(params)
+  assert len(calls) == 4
+
+
+def test_optimizers_are_keyed_by_code_and_settings():
+  key = lambda optimizer: optcheck._structure(optimizer, ())  # noqa: E731
+  clip = lambda n: optax.chain(optax.clip_by_global_norm(n), optax.adamw(1e-3))  # noqa: E731
+  assert key(clip(1.0)) == key(clip(1.0)) != key(clip(2.0))
+  sched = lambda n: optax.adamw(optax.cosine_decay_schedule(1e-3, n))  # noqa: E731
+  assert key(sched(100)) == key(sched(100)) != key(sched(200))
+  masked = lambda skip: optax.masked(optax.adam(1e-3), lambda p: {k: k != skip for k in p})  # noqa: E731
+  assert key(masked("a")) != key(masked("b"))  # the same lambda, another captured value
+  # a plain global the optimizer's code reads is part of its settings
+  scope = {"optax": optax, "RATE": 1e-3}
+  exec("def rate(step):\n  return RATE\n", scope)
+  before = key(optax.sgd(scope["rate"]))
+  scope["RATE"] = 2e-3
+  assert key(optax.sgd(scope["rate"])) != before
+  with pytest.raises(TypeError):  # an array is not compared by value: keyed by the object
+    key(optax.adam(jax.numpy.asarray(1e-3)))
 
 
 def test_refusal_is_cached_and_names_the_parameter():

@@ -10,13 +10,16 @@ probe runs two updates on random parameters and gradients, both ways, and compar
 
 What it costs: one compiled program over one representative trained leaf per distinct
 (shape, dtype, layout), so it grows with the number of distinct shapes, not with leaves or
-devices; results are cached per optimizer and layout. Representatives keep their own paths
+devices; results are cached per layout and per optimizer's code and settings (`_structure`:
+the same transformation built again is not probed again). Representatives keep their own paths
 (path-based masks and labels see real names). An optimizer that cannot run on that smaller
 tree (e.g. a label pytree shaped like the whole model) is probed on every leaf in the
 params' own structure instead. Probes are generated on the host shard by shard and placed
 sharded over the mesh, so no device holds more than one whole probe leaf.
 """
 
+import functools
+import types
 import zlib
 
 import jax
@@ -32,7 +35,7 @@ from zjax._src.schedule import ir
 
 _RTOL = 1e-4  # reduction order differs between the two layouts; shape-dependence is O(1)
 _UPDATES = 2
-_cache: dict = {}  # (optimizer, layout signature) -> None (compatible) or the error text
+_cache: dict = {}  # (optimizer's structure, layout signature) -> None or the error text
 _CACHE_LIMIT = 64
 
 
@@ -48,7 +51,7 @@ def check_optimizer(optimizer, schedule, mesh, treedef, trainable, *, name: str)
   reps = representatives(schedule, trainable)
   if not reps:
     return
-  key = _cache_key(optimizer, schedule, reps)
+  key = _cache_key(optimizer, schedule, mesh, reps, name)
   if key is not None and key in _cache:
     error = _cache[key]
   else:
@@ -80,20 +83,74 @@ def _two_layers(leaf, schedule):
   return ir.StorageLeaf(ir.stacked_entry(first, 2), leaf.members[:2])
 
 
-def _cache_key(optimizer, schedule, reps):
-  key = (
-    optimizer,
+def _cache_key(optimizer, schedule, mesh, reps, name):
+  """The probe's result depends on the optimizer's code and settings, not on the object:
+  `optax.adamw(1e-3)` built twice (a sweep, a rebuilt trainer) is probed once. An optimizer
+  holding something that cannot be compared (an array) is keyed by itself; one that cannot
+  be hashed at all gets None: not cached."""
+  layout = (
+    name,
     schedule.num_devices,
+    tuple(mesh.shape.items()),  # (the axes each layout shards over)
     tuple(
       (r.path, r.entry.shape, r.entry.dtype, r.entry.persistent, r.entry.stacked, r.rolled)
       for r in reps
     ),
   )
+  for identify in (lambda: _structure(optimizer, ()), lambda: optimizer):
+    try:
+      key = (identify(), *layout)
+      hash(key)
+      return key
+    except TypeError:
+      continue
+  return None
+
+
+def _structure(value, seen: tuple):
+  """A hashable value equal for two optimizers that run the same code on the same settings:
+  functions by their code, defaults, closure cells (optax's transformations are closures)
+  and the values of the plain globals they read (a module-level learning rate); partials
+  and containers by their parts; anything else by itself (hashable objects keep their own
+  equality; others raise TypeError)."""
+  if isinstance(value, (types.FunctionType, functools.partial, tuple, list, dict)):
+    if id(value) in seen:  # a closure that refers to itself
+      return ("cycle", seen.index(id(value)))
+    seen = (*seen, id(value))
+  if isinstance(value, types.FunctionType):
+    cells = tuple(_cell(c, seen) for c in value.__closure__ or ())
+    defaults = _structure(value.__defaults__, seen), _structure(value.__kwdefaults__, seen)
+    return ("function", value.__code__, defaults, cells, _globals_read(value, seen))
+  if isinstance(value, functools.partial):
+    parts = (value.func, value.args, value.keywords)
+    return ("partial", *(_structure(v, seen) for v in parts))
+  if isinstance(value, (tuple, list)):
+    return (type(value), tuple(_structure(v, seen) for v in value))
+  if isinstance(value, dict):
+    return (
+      type(value),
+      tuple((_structure(k, seen), _structure(v, seen)) for k, v in value.items()),
+    )
+  hash(value)  # TypeError for an array or another unhashable value
+  return (type(value), value)
+
+
+def _globals_read(function, seen) -> tuple:
+  """The globals `function` reads that hold values; modules, functions and classes count
+  as themselves (their code is not the optimizer's settings)."""
+  names = [n for n in function.__code__.co_names if n in function.__globals__]
+  values = [function.__globals__[n] for n in names]
+  return tuple(
+    (n, v if isinstance(v, (types.ModuleType, types.FunctionType, type)) else _structure(v, seen))
+    for n, v in zip(names, values)
+  )
+
+
+def _cell(cell, seen):
   try:
-    hash(key)
-  except TypeError:  # an optimizer object that cannot be hashed: not cached
-    return None
-  return key
+    return _structure(cell.cell_contents, seen)
+  except ValueError:  # an empty cell
+    return ("empty",)
 
 
 def _find_error(optimizer, schedule, mesh, treedef, trainable, reps, name) -> str | None:
