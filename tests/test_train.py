@@ -208,6 +208,47 @@ def test_gradient_accumulation_equals_the_big_batch():
   assert_trees_close(trainer.gather_params(state), ref_params, rtol=1e-5, atol=PARAM_ATOL)
 
 
+def _classifier():
+  """A linear classifier whose cross-entropy picks each label's log-probability with
+  take_along_axis: at one example per device JAX drops a reshape from that gather, so its
+  program depends on the batch size."""
+  params = {"w": jax.random.normal(jax.random.key(0), (12, 5)) / 4, "b": jnp.zeros((5,))}
+  batch = {
+    "x": jax.random.normal(jax.random.key(1), (16, 12)),
+    "label": jax.random.randint(jax.random.key(2), (16,), 0, 5),
+  }
+
+  def loss(p, b):
+    logp = jax.nn.log_softmax(b["x"] @ p["w"] + p["b"])
+    return -jnp.mean(jnp.take_along_axis(logp, b["label"][:, None], axis=1))
+
+  return loss, params, batch
+
+
+@pytest.mark.parametrize("n", [8, 4])
+def test_accumulation_runs_the_schedule_of_one_micro_batch(n):
+  """Micro-batches of one example per device: a schedule compiled on the whole batch is
+  another program (refused, saying to compile on a micro-batch); one compiled on a
+  micro-batch trains as plain optax does on the whole batch."""
+  loss, params, batch = _classifier()
+  k = 16 // n
+  mesh = mesh_of(n)
+  config = zjax.ZeroConfig(param_persistence_threshold=0)
+  whole = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=config)
+  trainer = zjax.zero3(loss, optax.sgd(0.5), whole, mesh=mesh, accumulation_steps=k)
+  with pytest.raises(zjax.ScheduleMismatchError, match=rf"accumulation_steps={k}.*micro-batch"):
+    trainer.step(trainer.init(params), batch)
+  micro = jax.tree.map(lambda x: x[: len(x) // k], batch)
+  schedule = zjax.compile_schedule(loss, params, micro, mesh=mesh, config=config)
+  trainer = zjax.zero3(loss, optax.sgd(0.5), schedule, mesh=mesh, accumulation_steps=k)
+  state = trainer.init(params)
+  for _ in range(2):
+    state, metrics = trainer.step(state, batch)
+  ref_params, ref_losses = reference_run(loss, optax.sgd(0.5), params, same_batch(batch, 2))
+  np.testing.assert_allclose(metrics["loss"], ref_losses[-1], rtol=1e-5)
+  assert_trees_close(trainer.gather_params(state), ref_params, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_accumulation_folds_the_micro_batch_index_into_keys():
   """Micro-batch i sees fold_in(key, i) (then each device folds in its position): the step
@@ -366,9 +407,10 @@ def test_bad_arguments():
     zjax.zero3(loss, optax.adam(1e-3), schedule, mesh=mesh, accumulation_steps=0)
   with pytest.raises(ValueError, match="on_nonfinite"):
     zjax.zero3(loss, optax.adam(1e-3), schedule, mesh=mesh, on_nonfinite="ignore")
-  trainer = zjax.zero3(loss, optax.adam(1e-3), schedule, mesh=mesh, accumulation_steps=3)
-  with pytest.raises(zjax.ZjaxError, match="not divisible by accumulation_steps=3"):
-    trainer.step(trainer.init(params), batch)
+  for k in (3, 4):  # 16 examples: not divisible by 3; micro-batches of 4 on 8 devices
+    trainer = zjax.zero3(loss, optax.adam(1e-3), schedule, mesh=mesh, accumulation_steps=k)
+    with pytest.raises(zjax.ZjaxError, match=rf"\['x'\] .* 16: accumulation_steps={k} .* {8 * k}"):
+      trainer.step(trainer.init(params), batch)
 
 
 def test_bf16_compute_trains_close_to_fp32():

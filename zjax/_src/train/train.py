@@ -19,7 +19,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zjax._src.errors import ZjaxError
+from zjax._src.errors import ScheduleMismatchError, ZjaxError
 from zjax._src.execute.execute import is_key, value_and_grad
 from zjax._src.layout import layout
 from zjax._src.schedule import ir
@@ -87,6 +87,8 @@ def zero3(
     schedule: from `compile_schedule`, for this mesh.
     accumulation_steps: K micro-batches per step; the global batch's leading dimension is
       split into K equal micro-batches (each divisible by N). Equals one step on the batch.
+      The loss runs on micro-batches, so compile `schedule` on one (a schedule compiled on
+      the whole batch serves only a loss whose program does not depend on the batch size).
     on_nonfinite: "skip" (default) leaves the state unchanged when the loss or gradient norm
       is not finite and reports it in metrics (`metrics["finite"]` False, with the loss and
       `grad_norm`); "raise" also raises `NonFiniteError`.
@@ -163,6 +165,7 @@ def zero3(
       accumulation_steps,
       mesh,
       schedule.config.fold_rng_keys,
+      schedule.data_parallel_size,
     )
     grad_norm = optax.tree.norm(_select(grads, trainable(state.params)))
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -295,13 +298,16 @@ def _call(grad_fn, params, batch, extra):
   return loss, new_extra, grads
 
 
-def _accumulated(grad_fn, params, batch, extra, k, mesh, fold_keys):
+def _accumulated(grad_fn, params, batch, extra, k, mesh, fold_keys, data_parallel):
   """Mean loss, new extra state and gradients over k equal micro-batches (each sees the
   step's extra state; their new states are averaged; with `fold_keys`, 0-d PRNG keys get
-  the micro-batch index folded in); gradients stay sharded."""
+  the micro-batch index folded in); gradients stay sharded. `data_parallel`: the devices
+  each micro-batch is split over."""
   if k == 1:
     return _call(grad_fn, params, batch, extra)
-  micro = jax.tree.map(lambda x: _split_leading(x, k, mesh) if np.ndim(x) else x, batch)
+  micro = jax.tree_util.tree_map_with_path(
+    lambda path, x: _split_leading(path, x, k, mesh, data_parallel) if np.ndim(x) else x, batch
+  )
   split = jax.tree.map(lambda x: np.ndim(x) > 0, batch)
 
   def micro_batch(x, is_split, i):
@@ -311,17 +317,38 @@ def _accumulated(grad_fn, params, batch, extra, k, mesh, fold_keys):
 
   def body(carry, i):
     b = jax.tree.map(lambda x, s: micro_batch(x, s, i), micro, split)
-    return jax.tree.map(jnp.add, carry, _call(grad_fn, params, b, extra)), None
+    try:
+      out = _call(grad_fn, params, b, extra)
+    except ScheduleMismatchError as e:
+      raise ScheduleMismatchError(f"{e} {_micro_batch_hint(batch, k)}") from None
+    return jax.tree.map(jnp.add, carry, out), None
 
   zeros = jax.tree.map(jnp.zeros_like, (jnp.zeros((), jnp.float32), extra, params))
   total, _ = lax.scan(body, zeros, jnp.arange(k))
   return jax.tree.map(lambda x: (x / k).astype(x.dtype), total)
 
 
-def _split_leading(x, k, mesh):
-  if x.shape[0] % k:
+def _micro_batch_hint(batch, k) -> str:
+  """What to do when a micro-batch's program is not the schedule's."""
+  sizes = sorted({x.shape[0] for x in jax.tree.leaves(batch) if np.ndim(x)})
+  return (
+    f"With accumulation_steps={k} the step runs the loss on micro-batches of 1/{k} of its "
+    f"batch (leading dimension {' / '.join(str(n // k) for n in sizes)}, not "
+    f"{' / '.join(map(str, sizes))}), and this loss's program depends on the batch size "
+    f"(e.g. an index or reshape that JAX simplifies at one example per device): compile "
+    f"the schedule on one micro-batch (the first 1/{k} of each batch leaf's leading "
+    f"dimension), which is the program that runs."
+  )
+
+
+def _split_leading(path, x, k, mesh, data_parallel):
+  if x.shape[0] % (k * data_parallel):
     raise ZjaxError(
-      f"A batch leaf has leading dimension {x.shape[0]}, not divisible by accumulation_steps={k}."
+      f"Batch leaf {jax.tree_util.keystr(path)} has leading dimension {x.shape[0]}: "
+      f"accumulation_steps={k} splits it into {k} micro-batches, each split over the "
+      f"{data_parallel} devices of the data axes, so it must be a multiple of "
+      f"{k} x {data_parallel} = {k * data_parallel}. Use such a batch, or fewer "
+      f"accumulation steps."
     )
   x = layout.place(x, mesh, jax.sharding.PartitionSpec())
   return x.reshape((k, x.shape[0] // k) + x.shape[1:])
