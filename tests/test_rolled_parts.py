@@ -17,7 +17,7 @@ import pytest
 
 import real_models
 import zjax
-from helpers import assert_parity
+from helpers import assert_parity, assert_trees_close, reference
 from test_rolling import gpt, rolled_lengths
 from zjax._src.errors import ScheduleError
 from zjax._src.schedule import ir
@@ -105,6 +105,66 @@ def test_release_after_every_use_without_prefetch_gathers_by_parts():
   assert [st.part for st in backward.body if st.op == ir.RECOMPUTE_OP] == list(
     range(len(loop.parts))
   )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n, leaves", [(8, 1), (4, 2)])
+def test_hpz_rolls_part_by_part(n, leaves):
+  """hpZ (secondary_partition) where one layer does not fit max_live_parameters: the layer
+  rolls and is gathered part by part (it was planned unrolled), each part's first forward
+  gather keeping the layer's secondary shard for the backward re-gathers, which move over
+  the shard axis only. Rolled and unrolled: gradients == plain JAX (fp32 rtol 1e-5), the
+  compiled collectives == the report in count and bytes per mesh axis; rolled, the peak of
+  live gathered bytes is no higher than unrolled."""
+  case = MODELS["gpt"]()
+  mesh = jax.make_mesh((2, n // 2), ("data", "fsdp"), devices=jax.devices()[:n])
+  config = zjax.ZeroConfig(
+    param_persistence_threshold=0,
+    max_reuse_distance=0,
+    max_live_parameters=leaves * largest_bucket(case),
+    replicate_axes=("data",),
+    secondary_partition=True,
+  )
+  ref_loss, ref_grads = reference(case.loss_fn, case.params, case.batch)
+  schedules = {}
+  for roll in (True, False):
+    schedule = zjax.compile_schedule(
+      case.loss_fn,
+      case.params,
+      case.batch,
+      mesh=mesh,
+      config=dataclasses.replace(config, roll_layers=roll),
+    )
+    step = zjax.value_and_grad(case.loss_fn, schedule, mesh=mesh)
+    sharded = zjax.shard(case.params, schedule, mesh)
+    loss, grads = step(sharded, case.batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_trees_close(zjax.unshard(grads, schedule), ref_grads)
+    compiled = hlo.compile_for_analysis(step.lower(sharded, case.batch))
+    assert_exact(schedule, compiled)
+    report, by_axis = schedule.report(), hlo.executed_by_axis(compiled.as_text(), dict(mesh.shape))
+    assert by_axis["all_gather"] == report["all_gather_bytes_by_axis"]
+    assert by_axis["reduce_scatter"] == report["reduce_scatter_bytes_by_axis"]
+    assert set(report["all_gather_bytes_by_axis"]) == {"data+fsdp", "fsdp"}
+    schedules[roll] = schedule
+  rolled = schedules[True]
+  assert rolled_lengths(rolled) == [2]
+  (loop,) = parted_loops(rolled)
+  (backward,) = [st for st in rolled.backward if st.op == ir.LOOP_OP]
+  kept = [st.bucket for st in loop.body if st.op == "keep_secondary"]
+  assert kept and sorted(kept) == sorted(
+    st.bucket for st in backward.body if st.op == "drop_secondary"
+  )
+  peaks = {roll: s.report()["peak_live_param_bytes"] for roll, s in schedules.items()}
+  assert peaks[True] <= peaks[False]
+  assert 0 < rolled.report()["secondary_bytes"] == schedules[False].report()["secondary_bytes"]
+  assert zjax.Schedule.from_json(rolled.to_json()) == rolled
+  assert "keep secondary" in str(rolled)  # zjax inspect shows it
+  data = json.loads(rolled.to_json())
+  body = next(st for st in data["forward"] if st["op"] == ir.LOOP_OP)["body"]
+  body.remove(next(st for st in body if st["op"] == "keep_secondary"))
+  with pytest.raises(ScheduleError, match="none is kept"):
+    zjax.Schedule.from_json(json.dumps(data))
 
 
 def test_parted_schedule_round_trips_and_edits_are_checked():

@@ -137,27 +137,28 @@ class RolledLoop(Loop):
       return super().forward(shards, inputs, anchor)
     consts, carry, xs = self._split(inputs)
     saved = [jnp.zeros((self.length,) + jnp.shape(c), jnp.result_type(c)) for c in carry]
+    stacks = self.secondary_stacks(shards)  # hpZ: every layer's secondary shards
 
     def step(state, i):
-      carry, saved = state
-      ctx = self._context(consts, carry, _read(xs, i))
+      carry, saved, stacks = state
+      ctx, kept = self._context(consts, carry, _read(xs, i)), {}
       loop_parts.walk_forward(
         self.parts,
         self.bodies["forward"],
         ctx,
-        self._gatherer(_read(shards, i), "forward"),
+        self._gatherer(_read(shards, i), "forward", kept),
         carry if carry else anchor,
       )
       new_carry = [ctx[("local", j, o)] for j, o in self.run.carry_out]
-      return (new_carry, _write(saved, i, carry)), None
+      return (new_carry, _write(saved, i, carry), _write(stacks, i, kept)), None
 
-    (carry, saved), _ = lax.scan(step, (carry, saved), jnp.arange(self.length))
-    return carry, (consts, saved, xs, {})
+    (carry, saved, stacks), _ = lax.scan(step, (carry, saved, stacks), jnp.arange(self.length))
+    return carry, (consts, saved, xs, stacks)
 
   def backward(self, shards: dict, residuals, ct_outs: list, anchor):
     if not self.parts:
       return super().backward(shards, residuals, ct_outs, anchor)
-    consts, saved, xs, _ = residuals
+    consts, saved, xs, stacks = residuals
     keys = [("local", j, o) for j, o in self.run.carry_out]
     ct_consts = [jnp.zeros_like(c) if _is_float(c) else None for c in consts]
     ct_xs = [jnp.zeros_like(x) if _is_float(x) else None for x in xs]
@@ -168,7 +169,8 @@ class RolledLoop(Loop):
       carry, x = _read(saved, i), _read(xs, i)
       ctx = self._context(consts, carry, x)
       cts = {k: c for k, c in zip(keys, ct_carry) if c is not None}
-      gather, chunks = self._gatherer(_read(shards, i), "backward"), {}
+      gather = self._gatherer(_read(shards, i), "backward", _read(stacks, i))
+      chunks = {}
 
       def scatter(b, layer_grads):
         chunks.update(self.scatter_layer(layer_grads, buckets=[b]))
@@ -200,18 +202,29 @@ class RolledLoop(Loop):
     )
     return list(ct_consts) + list(ct_carry) + list(ct_xs), grads
 
-  def _gatherer(self, rows: dict, phase: str):
+  def _gatherer(self, rows: dict, phase: str, secondaries: dict):
     """gather(bucket, tie) -> the layer's values of the bucket, for one iteration of a
     layer cut into parts. Each gather of a bucket reads the bucket's rows through the
     barrier of that bucket's previous gather, so two gathers of one bucket in one iteration
     (released between, as max_reuse_distance=0 plans) read different values: XLA cannot
     merge them, even where its algebraic simplifier drops a tie that nothing else reads (a
-    recomputed output that the backward does not use) and the two barriers become alike."""
+    recomputed output that the backward does not use) and the two barriers become alike.
+    hpZ (`secondaries`: bucket -> this layer's secondary shard): a forward gather of a
+    bucket the body keeps adds its secondary (the first in the iteration); a backward
+    gather reads the secondary instead of the rows, chained the same way."""
+    from_secondary = phase == "backward" and self.dp.secondary_partition
 
     def gather(b, tie):
+      if from_secondary:
+        mine, _ = lax.optimization_barrier(({b: secondaries[b]}, tie))
+        secondaries.update(mine)
+        return self.gather_tied(rows, phase, mine, buckets=[b])[0]
       mine, _ = lax.optimization_barrier(({i: rows[i] for i in self.dp.members[b]}, tie))
       rows.update(mine)
-      return self.gather_tied(mine, phase, buckets=[b])[0]
+      values, kept = self.gather_tied(mine, phase, buckets=[b])
+      for bucket, secondary in kept.items():
+        secondaries.setdefault(bucket, secondary)
+      return values
 
     return gather
 

@@ -85,8 +85,10 @@ def _rolled_body_steps(trace, run, seg, buckets, elements, bucket_of, entries, c
     for p, io in enumerate(runner.parts)
   )
   around = sum(elements[b] for b in seg.buckets if not buckets[b].stacked)
-  inner_config = dataclasses.replace(
-    config, max_live_parameters=max(config.max_live_parameters - around, 0)
+  inner_config = dataclasses.replace(  # (hpZ's steps are added to the body below)
+    config,
+    max_live_parameters=max(config.max_live_parameters - around, 0),
+    secondary_partition=False,
   )
   flat = tuple(dataclasses.replace(b, stacked=False) for b in buckets)
   names = roll.layer_names(trace.params, run)
@@ -106,20 +108,6 @@ def _rolled_body_steps(trace, run, seg, buckets, elements, bucket_of, entries, c
   )
   if not any(st.op == "gather" for st in forward[first_compute:] + backward):
     return whole_layer
-  if config.secondary_partition:  # hpZ keeps one secondary per layer gather: whole layers
-    whole = sum(elements[b] for b in stacked)
-    if whole + around <= config.max_live_parameters:
-      return whole_layer
-    raise DoNotRoll(
-      rolling,
-      run,
-      (
-        f"not rolled: one layer of {names} needs {whole} "
-        f"gathered elements, above max_live_parameters={config.max_live_parameters} with "
-        f"what is kept around it, and under hpZ (secondary_partition) a rolled layer is "
-        f"gathered whole; planned unrolled, sub-module by sub-module"
-      ),
-    )
   kept = [b for b in stacked if not any(st.op == "release" and st.bucket == b for st in forward)]
   as_part = lambda st, op=None: (
     dataclasses.replace(  # noqa: E731
@@ -135,8 +123,31 @@ def _rolled_body_steps(trace, run, seg, buckets, elements, bucket_of, entries, c
   backward_body += [as_part(st) for st in backward]
   unused, _ = loop_parts.unused_gathers(runner, backward_body)
   backward_body = _without_gathers(backward_body, unused)
+  if config.secondary_partition:
+    forward_body, backward_body = _with_secondaries(forward_body, backward_body)
   need = max(_peak(forward_body, elements), _peak(backward_body, elements))
   return _RolledBody(parts, forward_body, tuple(backward_body), need)
+
+
+def _with_secondaries(forward, backward) -> tuple[tuple, list]:
+  """hpZ in a body cut into parts: each bucket that the backward body re-gathers keeps its
+  secondary shard after its first forward gather of the iteration (the loop stacks every
+  layer's) and drops it after its last backward gather; every backward gather of it reads
+  that layer's secondary, over the shard axes only."""
+  regathered = {st.bucket for st in backward if st.op == "gather"}
+  fwd, kept = [], set()
+  for st in forward:
+    fwd.append(st)
+    if st.op == "gather" and st.bucket in regathered and st.bucket not in kept:
+      kept.add(st.bucket)
+      fwd.append(ir.Step("keep_secondary", bucket=st.bucket))
+  last = {st.bucket: k for k, st in enumerate(backward) if st.op == "gather"}
+  bwd = []
+  for k, st in enumerate(backward):
+    bwd.append(st)
+    if st.op == "gather" and last[st.bucket] == k:
+      bwd.append(ir.Step("drop_secondary", bucket=st.bucket))
+  return tuple(fwd), bwd
 
 
 def scan_unread(trace, segments, stacked, bucket_of, entries, buckets) -> dict:

@@ -38,7 +38,9 @@
    `schedule.rolling` says why.
 6. hpZ (`secondary_partition`): a bucket that backward re-gathers gets "keep_secondary"
    right after its first forward gather and "drop_secondary" right after its last backward
-   gather (in a loop body: after the layer's gather, in both directions).
+   gather (in a whole-layer loop body: after the layer's gather, in both directions; in a
+   body cut into parts: after the iteration's first forward gather and its last backward
+   one).
 """
 
 from typing import Any
