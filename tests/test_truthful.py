@@ -10,10 +10,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import zjax
-from helpers import analyse_zjax, mlp, run_zjax
+from helpers import analyse_zjax, assert_trees_close, mlp, reference, run_zjax
 
 D = 256
 W1 = D * D * 4  # bytes of one layer's weight
@@ -88,6 +89,31 @@ def test_gpt_collectives_equal_the_report():
     ), kind
   # only persistent gradients (and the loss) are all-reduced
   assert hlo["all_reduce_bytes"] <= report["persistent_grad_all_reduce_bytes"] + 16
+
+
+@pytest.mark.parametrize("threshold", [0, 64])
+def test_one_device_reports_no_collectives(threshold):
+  """On a one-device mesh every parameter is replicated and nothing is communicated: the
+  report says no gather, reduce-scatter or all-reduce (it said the persistent gradients'
+  bytes were all-reduced), as the compiled program has none, and gradients equal plain
+  JAX."""
+  loss, params, batch = mlp()
+  mesh = jax.make_mesh((1,), ("fsdp",), devices=jax.devices()[:1])
+  config = zjax.ZeroConfig(param_persistence_threshold=threshold)
+  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=config)
+  step = zjax.value_and_grad(loss, schedule, mesh=mesh)
+  sharded = zjax.shard(params, schedule, mesh)
+  value, grads = step(sharded, batch)
+  ref_value, ref_grads = reference(loss, params, batch)
+  np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+  assert_trees_close(zjax.unshard(grads, schedule), ref_grads)
+  report = schedule.report()
+  assert (
+    zjax.hlo.executed(zjax.hlo.compile_for_analysis(step.lower(sharded, batch)).as_text()) == {}
+  )
+  for key in ("all_gather", "reduce_scatter", "persistent_grad_all_reduce"):
+    assert report[f"{key}_count"] == 0 and report[f"{key}_bytes"] == 0, key
+  assert report["all_reduce_bytes_by_axis"] == {} and "all-reduce" not in str(schedule)
 
 
 def test_no_all_reduce_beyond_persistent_params_and_scalars():

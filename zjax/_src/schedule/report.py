@@ -53,8 +53,11 @@ def make_report(s, sim) -> dict:
     # replicate axes (XLA may combine those all-reduces: bytes, not count, are what to
     # compare)
     "replica_all_reduce_bytes": replica_bytes,
-    "persistent_grad_all_reduce_bytes": persistent_grad_bytes(s),
-    # one all-reduce per segment whose backward completes persistent gradients
+    # one all-reduce per segment whose backward completes persistent gradients (none on
+    # one data-parallel device)
+    "persistent_grad_all_reduce_bytes": (
+      persistent_grad_bytes(s) if s.data_parallel_size > 1 else 0
+    ),
     "persistent_grad_all_reduce_count": (
       len(persistent_reductions_bytes(s)) if s.data_parallel_size > 1 else 0
     ),
