@@ -322,8 +322,10 @@ def walk_backward(runner, body, ctx, cts, gather, scatter, tie, placeholder=None
       stripped = seg_lib.strip_params(vjp_fn, list(weights.values()))
       saved[st.part] = (stripped, backward)
       # what its vjp will read: XLA's algebraic simplifier drops a barrier's tie that
-      # nothing else reads, and the part's outputs may be unread (the layer's output)
-      tie = _residuals(stripped) + [_last_output(runner, st.part, ctx, tie)]
+      # nothing else reads, and the part's outputs may be unread (the layer's output).
+      # Not the outputs as well: a tie keeps what it ties alive, and an unread output's
+      # recompute (a row-parallel matmul and its all-reduce) would then run for nothing.
+      tie = _residuals(stripped) or [_last_output(runner, st.part, ctx, tie)]
     elif st.op == "compute":
       stripped, backward = saved.pop(st.part)
       weights = runner.weights(st.part, layers, _hole(placeholder, st))
