@@ -225,6 +225,7 @@ def _classifier():
   return loss, params, batch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [8, 4])
 def test_accumulation_runs_the_schedule_of_one_micro_batch(n):
   """Micro-batches of one example per device: a schedule compiled on the whole batch is
