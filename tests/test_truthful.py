@@ -100,17 +100,12 @@ def test_one_device_reports_no_collectives(threshold):
   loss, params, batch = mlp()
   mesh = jax.make_mesh((1,), ("fsdp",), devices=jax.devices()[:1])
   config = zjax.ZeroConfig(param_persistence_threshold=threshold)
-  schedule = zjax.compile_schedule(loss, params, batch, mesh=mesh, config=config)
-  step = zjax.value_and_grad(loss, schedule, mesh=mesh)
-  sharded = zjax.shard(params, schedule, mesh)
-  value, grads = step(sharded, batch)
+  schedule, value, grads, compiled = run_zjax(loss, params, batch, config=config, mesh=mesh)
   ref_value, ref_grads = reference(loss, params, batch)
   np.testing.assert_allclose(value, ref_value, rtol=1e-5)
-  assert_trees_close(zjax.unshard(grads, schedule), ref_grads)
+  assert_trees_close(grads, ref_grads)
+  assert zjax.hlo.executed(compiled.as_text()) == {}
   report = schedule.report()
-  assert (
-    zjax.hlo.executed(zjax.hlo.compile_for_analysis(step.lower(sharded, batch)).as_text()) == {}
-  )
   for key in ("all_gather", "reduce_scatter", "persistent_grad_all_reduce"):
     assert report[f"{key}_count"] == 0 and report[f"{key}_bytes"] == 0, key
   assert report["all_reduce_bytes_by_axis"] == {} and "all-reduce" not in str(schedule)
