@@ -99,6 +99,25 @@ def test_label_pytree_falls_back_to_the_whole_tree():
     zjax.zero3(loss, bad, schedule, mesh=mesh).init(params)
 
 
+@pytest.mark.parametrize("limit", [optcheck.ONE_DEVICE_PROBE_BYTES, 0], ids=["one", "sharded"])
+def test_small_probes_run_on_one_device_large_ones_over_the_mesh(limit, monkeypatch):
+  """Both placements judge alike: adamw passes, Muon (shape-dependent) is refused naming a
+  parameter; the probe's leaves live on one device or are sharded over all eight."""
+  loss, params, _, mesh, schedule = _schedule()
+  monkeypatch.setattr(optcheck, "ONE_DEVICE_PROBE_BYTES", limit)
+  monkeypatch.setattr(optcheck, "_cache", {})
+  placed = []
+  random_leaves = optcheck._random_leaves
+  monkeypatch.setattr(
+    optcheck, "_random_leaves", lambda *a: placed.append(random_leaves(*a)) or placed[-1]
+  )
+  zjax.zero3(loss, optax.adamw(1e-3), schedule, mesh=mesh).init(params)
+  with pytest.raises(zjax.ZjaxError, match=r"not shard-compatible.*\['layer0'\]"):
+    zjax.zero3(loss, optax.contrib.muon(1e-2), schedule, mesh=mesh).init(params)
+  devices = {len(x.sharding.device_set) for leaves in placed for x in leaves}
+  assert devices == ({1} if limit else {8}), devices
+
+
 def test_probe_leaves_are_sharded_over_the_mesh():
   *_, mesh, schedule = _schedule()
   auto = jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,))

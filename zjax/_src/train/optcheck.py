@@ -14,8 +14,9 @@ devices; results are cached per layout and per optimizer's code and settings (`_
 the same transformation built again is not probed again). Representatives keep their own paths
 (path-based masks and labels see real names). An optimizer that cannot run on that smaller
 tree (e.g. a label pytree shaped like the whole model) is probed on every leaf in the
-params' own structure instead. Probes are generated on the host shard by shard and placed
-sharded over the mesh, so no device holds more than one whole probe leaf.
+params' own structure instead. A small probe runs on one local device (`_probe_mesh`);
+a large one is generated on the host shard by shard and placed sharded over the mesh, so no
+device holds more than one whole probe leaf.
 """
 
 import functools
@@ -155,7 +156,7 @@ def _cell(cell, seen):
 
 def _find_error(optimizer, schedule, mesh, treedef, trainable, reps, name) -> str | None:
   """The error text, or None when the optimizer is shard-compatible."""
-  auto = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
+  auto = _probe_mesh(mesh, [schedule.params[i] for leaf in reps for i in leaf.members])
   try:
     return _probe(optimizer, schedule, auto, reps, *_trees_by_paths(schedule, reps), name)
   except _CannotRunNatural:  # needs the params' own structure (e.g. a label pytree)
@@ -172,7 +173,7 @@ def _find_error(optimizer, schedule, mesh, treedef, trainable, reps, name) -> st
       return _probe(
         optax.masked(optimizer, mask),
         schedule,
-        auto,
+        _probe_mesh(mesh, schedule.params),
         list(schedule.storage),
         natural,
         stored,
@@ -183,6 +184,25 @@ def _find_error(optimizer, schedule, mesh, treedef, trainable, reps, name) -> st
       raise ZjaxError(
         f"The optimizer {name} fails on the parameters themselves (before any sharding): {e}"
       ) from None
+
+
+# Probes of at most this many bytes (the representatives' members, once) run on one local
+# device: the comparison then compiles without partitioning, in about half the time of the
+# sharded program (a GPT's adamw probe: 0.8 s against 1.6 s on 8 CPU devices). Larger ones
+# are sharded over the whole mesh, so that no device holds more than one probe leaf.
+ONE_DEVICE_PROBE_BYTES = 16 << 20
+
+
+def _probe_mesh(mesh, members) -> Mesh:
+  """The mesh the probe runs on: `mesh`'s axes over one of this process's devices (each
+  process probes alone, the same program on the same inputs), or over all its devices for
+  a large probe. Auto axes: the comparison reshards leaves with sharding constraints."""
+  size = sum(int(np.prod(e.shape)) * jnp.dtype(e.dtype).itemsize for e in members)
+  devices = mesh.devices
+  if size <= ONE_DEVICE_PROBE_BYTES:
+    local = [d for d in devices.flat if d.process_index == jax.process_index()]
+    devices = np.array(local[:1]).reshape((1,) * devices.ndim)
+  return Mesh(devices, mesh.axis_names, axis_types=(AxisType.Auto,) * devices.ndim)
 
 
 def _trees_by_paths(schedule, leaves):
