@@ -1,7 +1,7 @@
 """How accurate is zjax's patch-matmul convolution rule, per op, against fp64?
 
 The rule (zjax/_src/program/conv_rule.py) runs a convolution whose kernel outweighs its
-image's patches as matmuls. This script prints, for 3x3 kernels on 1x1 and 2x2 images, the
+image's patches as matmuls. This script prints, for 3x3 kernels on 1x1 to 7x7 images, the
 RMS relative error against an fp64 reference of XLA's convolution and of the rule
 (forward, image cotangent, kernel cotangent), and the rule's error over XLA's. The table
 in docs/results.md ("the rule's sums run in lanes") is its output; `--lanes 1` gives the
@@ -29,6 +29,11 @@ SHAPES = [  # (label, image shape, kernel shape, conv args)
   ("2 x 1x1, OIHW 128", (2, 128, 1, 1), (128, 128, 3, 3), NCHW),
   ("2 x 2x2, OIHW 128", (2, 128, 2, 2), (128, 128, 3, 3), NCHW),
   ("16 x 1x1, OIHW 256", (16, 256, 1, 1), (256, 256, 3, 3), NCHW),
+  # ResNet-18's last two stages on 224 x 224 images (7x7 and, at 128, 4x4), where the rule
+  # applies with few lanes
+  ("2 x 4x4, HWIO 256", (2, 4, 4, 256), (3, 3, 256, 256), NHWC),
+  ("2 x 7x7, HWIO 512", (2, 7, 7, 512), (3, 3, 512, 512), NHWC),
+  ("2 x 7x7, OIHW 512", (2, 512, 7, 7), (512, 512, 3, 3), NCHW),
 ]
 
 
