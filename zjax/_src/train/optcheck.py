@@ -199,8 +199,8 @@ def _probe_mesh(mesh, members) -> Mesh:
   a large probe. Auto axes: the comparison reshards leaves with sharding constraints."""
   size = sum(int(np.prod(e.shape)) * jnp.dtype(e.dtype).itemsize for e in members)
   devices = mesh.devices
-  if size <= ONE_DEVICE_PROBE_BYTES:
-    local = [d for d in devices.flat if d.process_index == jax.process_index()]
+  local = [d for d in devices.flat if d.process_index == jax.process_index()]
+  if size <= ONE_DEVICE_PROBE_BYTES and local:
     devices = np.array(local[:1]).reshape((1,) * devices.ndim)
   return Mesh(devices, mesh.axis_names, axis_types=(AxisType.Auto,) * devices.ndim)
 
