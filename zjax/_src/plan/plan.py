@@ -2,7 +2,8 @@
 
 1. Layout: parameters with at most `param_persistence_threshold` elements (and all of them on
    one device) are persistent (replicated); the others are sharded.
-2. Buckets: sharded, used parameters grouped by owning module and dtype, in first-use order;
+2. Buckets: sharded, used parameters grouped by owning module and dtype, in first-use order
+   (a module whose group exceeds `max_live_parameters` gets one bucket per parameter);
    stacked parameters (loops.py: consumed one layer per iteration by a scan) form buckets
    of their own, gathered one layer at a time. With `roll_layers`, runs of identical
    layers (roll.py) are loops too: their buckets hold the first layer's parameters and
@@ -43,6 +44,7 @@
    one).
 """
 
+import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
@@ -115,8 +117,6 @@ def _plan_with(trace, config, axis_sizes, frozen, platform, rolling, tensor) -> 
     if run.stacked[p][0] in sharded
   }
   groups = _group_buckets(trace, persistent, frozen, zero_gradient, stacked, layers_of)
-  bucket_of = {i: b for b, (*_, members) in enumerate(groups) for i in members}
-  bucket_of.update({i: bucket_of[layers[0]] for layers in layers_of.values() for i in layers})
   stack_of = {
     i: (trace.params[layers[0]].path, layer)
     for run in rolling.runs
@@ -129,7 +129,7 @@ def _plan_with(trace, config, axis_sizes, frozen, platform, rolling, tensor) -> 
       shape=p.shape,
       dtype=p.dtype.name,
       persistent=p.index in persistent,
-      bucket=bucket_of.get(p.index),
+      bucket=None,  # (set below, once the buckets are final)
       uses=tuple(u.op for u in p.uses),
       frozen=p.index in frozen,
       stacked=p.index in stacked,
@@ -141,6 +141,10 @@ def _plan_with(trace, config, axis_sizes, frozen, platform, rolling, tensor) -> 
     )
     for p in trace.params
   )
+  groups = _split_above_cap(trace, groups, entries, config.max_live_parameters, num_devices)
+  bucket_of = {i: b for b, (*_, members) in enumerate(groups) for i in members}
+  bucket_of.update({i: bucket_of[layers[0]] for layers in layers_of.values() for i in layers})
+  entries = tuple(dataclasses.replace(e, bucket=bucket_of.get(i)) for i, e in enumerate(entries))
   buckets = tuple(
     ir.Bucket(
       id=b,
@@ -265,6 +269,25 @@ def _group_buckets(
     key = (p.owner, p.dtype.name, p.index in frozen, p.index in zero_gradient, loop)
     groups.setdefault(key, []).append(p.index)
   return [(*key, members) for key, members in groups.items()]
+
+
+def _split_above_cap(trace, groups, entries, cap, num_devices) -> list:
+  """`groups` with each module's bucket whose gathered elements exceed `max_live_parameters`
+  split into one bucket per parameter, in order of first use: its segment is then cut
+  between the parameters' uses (a Dense layer's kernel, then its bias), so that one is
+  gathered at a time, as DeepSpeed fetches parameter by parameter. A scan's stacked bucket
+  is not split (the scan reads every one of them in each iteration), and one parameter
+  above the cap stays an error naming it (StepPlanner)."""
+  out = []
+  for *key, members in groups:
+    scan = isinstance(key[4], int)
+    size = sum(ir.gathered_elements(entries[i], num_devices) for i in members)
+    if len(members) > 1 and size > cap and not scan:
+      out += [(*key, [i]) for i in members]
+    else:
+      out.append((*key, members))
+  first_use = lambda group: (trace.params[group[-1][0]].uses[0].op, group[-1][0])  # noqa: E731
+  return sorted(out, key=first_use)
 
 
 def _gradient_groups(trace, entries) -> dict[int, int]:

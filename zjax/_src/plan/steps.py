@@ -148,8 +148,9 @@ class StepPlanner:
         raise ScheduleError(
           f"Segment {seg.id} ({seg.label or 'ops ' + str(seg.start)}) needs {need} gathered "
           f"parameter elements at once ({names}), above max_live_parameters={cap}. A "
-          f"bucket (one module's parameters of one dtype) is gathered whole, as the ops "
-          f"that read it need it: raise max_live_parameters to at least {need}."
+          f"bucket (one module's parameters of one dtype; one parameter where they exceed "
+          f"the cap; a scan's stacked ones together) is gathered whole, as the ops that "
+          f"read it need it: raise max_live_parameters to at least {need}."
         )
 
   def _instances(self) -> list[_Instance]:
