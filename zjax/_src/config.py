@@ -29,7 +29,8 @@ class ZeroConfig:
   Attributes:
     prefetch_bucket_size: elements of upcoming buckets that may be gathered ahead of need
       (0 disables prefetch).
-    max_live_parameters: cap on gathered (full-form) parameter elements alive at once.
+    max_live_parameters: cap on gathered (full-form) parameter elements alive at once (a
+      module whose parameters exceed it is gathered parameter by parameter).
     max_reuse_distance: keep a gathered bucket instead of releasing and gathering it again
       when its next use is at most this many elements of work away.
     param_persistence_threshold: parameters with at most this many elements are replicated,
