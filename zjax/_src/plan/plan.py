@@ -279,13 +279,13 @@ def _split_above_cap(trace, groups, entries, cap, num_devices) -> list:
   is not split (the scan reads every one of them in each iteration), and one parameter
   above the cap stays an error naming it (StepPlanner)."""
   out = []
-  for *key, members in groups:
-    scan = isinstance(key[4], int)
+  for *key, loop, members in groups:
+    scan = loop is not None and not isinstance(loop, tuple)  # (a rolled run's: ("rolled", L))
     size = sum(ir.gathered_elements(entries[i], num_devices) for i in members)
     if len(members) > 1 and size > cap and not scan:
-      out += [(*key, [i]) for i in members]
+      out += [(*key, loop, [i]) for i in members]
     else:
-      out.append((*key, members))
+      out.append((*key, loop, members))
   first_use = lambda group: (trace.params[group[-1][0]].uses[0].op, group[-1][0])  # noqa: E731
   return sorted(out, key=first_use)
 
