@@ -87,12 +87,12 @@ print(
   "sharded | lower | compile |"
 )
 print("|---|---|---|---|---|---|---|---|---|")
+wall_and_cpu = lambda pair: f"{pair[0]:.2f} s (CPU {pair[1]:.2f} s)"  # noqa: E731
 for r in rows:
   print(
     f"| {r['layers']} | {r['params']} | {r['plan_s']:.2f} s | {r['init_s']:.2f} s | "
-    f"{r['init_again_s']:.2f} s | %.2f s (CPU %.2f s) | %.2f s (CPU %.2f s) | "
-    % (*r["init_probe_one_device_s"], *r["init_probe_sharded_s"])
-    + f"{r['lower_s']:.2f} s | {r['compile_s']:.2f} s |"
+    f"{r['init_again_s']:.2f} s | {wall_and_cpu(r['init_probe_one_device_s'])} | "
+    f"{wall_and_cpu(r['init_probe_sharded_s'])} | {r['lower_s']:.2f} s | {r['compile_s']:.2f} s |"
   )
 if args.json:
   with open(args.json, "w") as f:
