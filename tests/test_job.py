@@ -334,3 +334,33 @@ def test_schedule_inspection_example(tmp_path):
   printed = example("inspect_schedule.py", "--out", str(tmp_path), "--layers", "1")
   assert "peak_live_param_bytes" in printed and "step lines differ" in printed
   assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt_keep.json", "gpt_lean.json"]
+
+
+def test_the_corpus_walk_takes_files_in_sorted_path_order_and_stops_at_the_budget(tmp_path):
+  """`zjax train`'s corpus reads the standard library in `sorted(rglob("*.py"))` order,
+  skipped folders left out, walking lazily: a folder "b" sorts before "b.py" (part by
+  part), and the walk never lists what lies past the budget."""
+  from zjax.job import corpus
+
+  for name in ("b.py", "b/c.py", "b/tests/t.py", "a.py", "ab/x.py", "a/z.py", "site-packages/s.py"):
+    (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / name).write_text("x = 1\n" * 5)
+  (tmp_path / "notes.txt").write_text("not python")
+  expected = [
+    p
+    for p in sorted(tmp_path.rglob("*.py"))
+    if not corpus._SKIPPED_DIRS & set(p.relative_to(tmp_path).parts[:-1])
+  ]
+  walked = list(corpus._sources(tmp_path))
+  assert walked == expected
+  assert [p.relative_to(tmp_path).as_posix() for p in walked] == [
+    "a/z.py",
+    "a.py",
+    "ab/x.py",
+    "b/c.py",
+    "b.py",
+  ]
+  walk = corpus._sources(tmp_path)
+  assert next(walk).name == "z.py"
+  (tmp_path / "b").rename(tmp_path / "moved")  # a folder is listed only when reached
+  assert [p.relative_to(tmp_path).as_posix() for p in walk] == ["a.py", "ab/x.py", "b.py"]

@@ -11,6 +11,7 @@ with the end-of-text token 256, so the vocabulary is 257 byte-level tokens.
 
 import dataclasses
 import hashlib
+import os
 import pathlib
 import sysconfig
 
@@ -33,10 +34,8 @@ def stdlib_corpus(max_bytes: int) -> Corpus:
   """The first `max_bytes` of standard-library source (sorted by path), split 19:1."""
   root = pathlib.Path(sysconfig.get_paths()["stdlib"])
   train, validation, total, count = [], [], 0, 0
-  for path in sorted(root.rglob("*.py")):
+  for path in _sources(root):
     relative = path.relative_to(root)
-    if _SKIPPED_DIRS & set(relative.parts[:-1]):
-      continue
     try:
       data = path.read_bytes()
     except OSError:
@@ -54,6 +53,22 @@ def stdlib_corpus(max_bytes: int) -> Corpus:
       f"train/validation split ({count} files); raise corpus_bytes."
     )
   return Corpus(_tokens(train), _tokens(validation), str(root), count)
+
+
+def _sources(folder: pathlib.Path):
+  """The `.py` files under `folder` in sorted path order (as `sorted(folder.rglob("*.py"))`
+  orders them: part by part), the skipped folders left out, lazily: the walk stops where
+  the byte budget does instead of listing site-packages first (2.8 s a run)."""
+  try:
+    entries = sorted(os.scandir(folder), key=lambda e: e.name)
+  except OSError:
+    return
+  for entry in entries:
+    if entry.is_dir():
+      if entry.name not in _SKIPPED_DIRS:
+        yield from _sources(pathlib.Path(entry.path))
+    elif entry.name.endswith(".py"):
+      yield pathlib.Path(entry.path)
 
 
 def _tokens(documents) -> np.ndarray:
