@@ -1,6 +1,7 @@
 """Shared test helpers: meshes of N simulated devices and the parity check against plain JAX."""
 
 import contextlib
+import functools
 import logging
 
 import jax
@@ -83,12 +84,15 @@ def analyse_zjax(loss_fn, params, batch, *, n=8, config=None):
 
 
 def init(model, *args, **kwargs):
-  """`model.init(*args, **kwargs)` of a Flax linen model, run eagerly: each of its ops is a
-  program of its own, compiled once per shape and reused by every later model of the
-  process (a 4-layer test GPT inits in 0.04 s after the first model). Jitted, each model
-  compiled a whole init program of its own: 1 s, 3.4 s at 16 layers; the fast tier took 4%
-  more CPU."""
-  return model.init(*args, **kwargs)
+  """`model.init(*args, **kwargs)` of a Flax linen model, jitted once per model and keywords
+  in this process (linen modules compare and hash by their fields): run eagerly, XLA
+  compiled each of its ops as a program of its own."""
+  return _jitted_init(model, tuple(sorted(kwargs.items())))(*args)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_init(model, kwargs):
+  return jax.jit(functools.partial(model.init, **dict(kwargs)))
 
 
 def case_temp(case, config, n=8):
