@@ -341,6 +341,7 @@ def test_the_corpus_walk_takes_files_in_sorted_path_order_and_stops_at_the_budge
     (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
     (tmp_path / name).write_text("x = 1\n" * 5)
   (tmp_path / "notes.txt").write_text("not python")
+  (tmp_path / "link").symlink_to(tmp_path / "b", target_is_directory=True)  # not followed
   expected = [
     p
     for p in sorted(tmp_path.rglob("*.py"))

@@ -57,14 +57,15 @@ def stdlib_corpus(max_bytes: int) -> Corpus:
 
 def _sources(folder: pathlib.Path):
   """The `.py` files under `folder` in sorted path order (as `sorted(folder.rglob("*.py"))`
-  orders them: part by part), the skipped folders left out, lazily: the walk stops where
-  the byte budget does instead of listing site-packages first (2.8 s a run)."""
+  orders them: part by part; like it, not into symlinked folders), the skipped folders
+  left out, lazily: the walk stops where the byte budget does instead of listing
+  site-packages first (0.4 s a run)."""
   try:
     entries = sorted(os.scandir(folder), key=lambda e: e.name)
   except OSError:
     return
   for entry in entries:
-    if entry.is_dir():
+    if entry.is_dir(follow_symlinks=False):
       if entry.name not in _SKIPPED_DIRS:
         yield from _sources(pathlib.Path(entry.path))
     elif entry.name.endswith(".py"):
