@@ -58,8 +58,8 @@ def stdlib_corpus(max_bytes: int) -> Corpus:
 def _sources(folder: pathlib.Path):
   """The `.py` files under `folder` in sorted path order (as `sorted(folder.rglob("*.py"))`
   orders them: part by part; like it, not into symlinked folders), the skipped folders
-  left out, lazily: the walk stops where the byte budget does instead of listing
-  site-packages first (0.4 s a run)."""
+  left out, lazily: the walk stops where the byte budget does (listing all of
+  site-packages first, as `sorted(rglob)` did, took 0.4 s a run)."""
   try:
     entries = sorted(os.scandir(folder), key=lambda e: e.name)
   except OSError:
