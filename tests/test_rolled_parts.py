@@ -239,3 +239,26 @@ def test_a_rolled_layer_with_a_while_loop_on_a_batch_float(parts):
     schedule = rolled_and_unrolled(case, config, n)[True]
     assert rolled_lengths(schedule) == [3], n
     assert bool(parted_loops(schedule)) == parts, n
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [8, 4])
+def test_a_weight_every_layer_reads_is_regathered_for_the_backward(n):
+  """A sharded weight that every rolled layer reads (a loop const) at max_reuse_distance=0:
+  released after the forward loop, re-gathered before the backward one. The validator
+  accepts its gradient as the loop's (it refused: 'no backward compute has produced its
+  gradient'), and the backward reads the re-gathered value, not a copy of the forward's
+  kept in the loop's residuals (the re-gather was dead code: one all-gather fewer than the
+  report). (Its peak is above the unrolled plan's: a loop const stays gathered through
+  the loop, which the unrolled plan releases between layers.)"""
+  from test_rolling import net
+
+  loss, params, batch = net()
+  config = zjax.ZeroConfig(
+    param_persistence_threshold=0, max_reuse_distance=0, prefetch_bucket_size=0
+  )
+  schedule, compiled = assert_parity(loss, params, batch, n=n, config=config)
+  assert_exact(schedule, compiled)
+  assert rolled_lengths(schedule) == [4] and parted_loops(schedule)
+  shared = schedule.param("['shared']").bucket
+  assert shared in [st.bucket for st in schedule.backward if st.op == "gather"]

@@ -435,8 +435,12 @@ class _State:
       elif ct is None:
         ct = jnp.zeros(aval.shape, aval.dtype)
       ct_outs.append(ct)
+    consts, *residuals = self.vjps.pop(k)
     ct_inputs, grads = loop.backward(
-      loop.stacked_shards(self), self.vjps.pop(k), ct_outs, self.anchor
+      loop.stacked_shards(self),
+      (loop.backward_consts(self, consts), *residuals),
+      ct_outs,
+      self.anchor,
     )
     for a, ct in loop.input_cotangents(ct_inputs):
       if a in self.dp.chains:  # a parameter (view): trained ones get the gradient

@@ -97,6 +97,18 @@ class Loop:
     memory; each layer's row is moved to the device and cast when it is gathered)."""
     return {i: state.shards[i] for b in self.buckets for i in self.dp.members[b]}
 
+  def backward_consts(self, state, consts) -> list:
+    """The loop's consts for its backward: a weight that every iteration reads is read from
+    the state again (gathered there as the schedule's backward says, as a segment's
+    backward reads its weights), not kept from the forward (the residuals would hold the
+    forward's gathered copy, and the re-gather would be dead code)."""
+    return [
+      state.view_or_placeholder(a)
+      if isinstance(a, int) and a in self.dp.chains and j not in self.stacked_inputs
+      else c
+      for j, (a, c) in enumerate(zip(self.inputs[: self.num_consts], consts))
+    ]
+
   def input_cotangents(self, ct_inputs) -> list:
     """(value id, cotangent) of every input that received one."""
     return [

@@ -535,6 +535,12 @@ class _Simulator:
         f"iteration must release (and in backward reduce-scatter) its "
         f"layer."
       )
+    if phase == "backward":  # a weight every iteration reads: its gradient is complete now
+      self.pending_grad.update(
+        b
+        for b in seg.buckets
+        if not self.s.buckets[b].stacked and ir.has_gradient(self.s.buckets[b])
+      )
     return peak
 
   def _loop_body_ops(self, stacked, k, phase) -> list[tuple[str, int]]:
