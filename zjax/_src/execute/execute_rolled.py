@@ -1,4 +1,5 @@
-"""Running a rolled run of identical layers (roll.py) as a loop step.
+"""Running a rolled run of identical layers (roll.py) as a loop step, and any loop whose
+layer is cut into parts.
 
 The machinery is the scan loop's (execute_loop.py): one layer's gathers, compute and
 reduce-scatters per iteration, backward recomputing each iteration from its saved carry.
@@ -6,6 +7,10 @@ What differs is where the loop's pieces come from: the body is the first layer's
 their inputs rewired (roll.Run.sources), and each per-layer parameter's layers are read from
 its stack in the sharded layout (ParamEntry.stack), which the schedule must give in the
 run's layer order.
+
+A loop whose body the schedule cuts into parts walks the body's steps (loop_parts.py): a
+rolled run's, or a scan's (`PartedScan`: its body as a run, loops.scan_run; its inputs,
+outputs and stacked shards are the scan op's, as for a whole-layer scan).
 """
 
 import jax.numpy as jnp
@@ -13,7 +18,7 @@ from jax import lax
 
 from zjax._src.errors import ScheduleMismatchError
 from zjax._src.execute.execute_loop import Loop, _is_float, _read, _write
-from zjax._src.program import loop_parts, roll
+from zjax._src.program import loop_parts, loops, roll
 from zjax._src.program import segments as seg_lib
 from zjax._src.train import offload
 
@@ -78,7 +83,7 @@ class RolledLoop(Loop):
     otherwise, or if the backward body lacks a gather whose values it uses."""
     dp, run = self.dp, self.run
     runner = self._runner()
-    found = [(run.start + p.start, run.start + p.end) for p in runner.parts]
+    found = [(run.op_offset + p.start, run.op_offset + p.end) for p in runner.parts]
     stored = [(p.start, p.end) for p in forward_step.parts]
     if found != stored:
       raise ScheduleMismatchError(
@@ -137,10 +142,14 @@ class RolledLoop(Loop):
       return super().forward(shards, inputs, anchor)
     consts, carry, xs = self._split(inputs)
     saved = [jnp.zeros((self.length,) + jnp.shape(c), jnp.result_type(c)) for c in carry]
+    ys = [  # a scan's stacked outputs (a rolled run has none)
+      jnp.zeros(self.dp.program.avals[o].shape, self.dp.program.avals[o].dtype)
+      for o in self.outputs[self.num_carry :]
+    ]
     stacks = self.secondary_stacks(shards)  # hpZ: every layer's secondary shards
 
     def step(state, i):
-      carry, saved, stacks = state
+      carry, saved, ys, stacks = state
       ctx, kept = self._context(consts, carry, _read(xs, i)), {}
       loop_parts.walk_forward(
         self.parts,
@@ -150,16 +159,20 @@ class RolledLoop(Loop):
         carry if carry else anchor,
       )
       new_carry = [ctx[("local", j, o)] for j, o in self.run.carry_out]
-      return (new_carry, _write(saved, i, carry), _write(stacks, i, kept)), None
+      y = [ctx[("local", j, o)] for j, o in self.run.ys_out]
+      return (new_carry, _write(saved, i, carry), _write(ys, i, y), _write(stacks, i, kept)), None
 
-    (carry, saved, stacks), _ = lax.scan(step, (carry, saved, stacks), jnp.arange(self.length))
-    return carry, (consts, saved, xs, stacks)
+    (carry, saved, ys, stacks), _ = lax.scan(
+      step, (carry, saved, ys, stacks), jnp.arange(self.length)
+    )
+    return carry + ys, (consts, saved, xs, stacks)
 
   def backward(self, shards: dict, residuals, ct_outs: list, anchor):
     if not self.parts:
       return super().backward(shards, residuals, ct_outs, anchor)
     consts, saved, xs, stacks = residuals
-    keys = [("local", j, o) for j, o in self.run.carry_out]
+    keys = self.parts.out_keys  # the carries', then a scan's ys
+    ct_ys = ct_outs[self.num_carry :]
     ct_consts = [jnp.zeros_like(c) if _is_float(c) else None for c in consts]
     ct_xs = [jnp.zeros_like(x) if _is_float(x) else None for x in xs]
     grads = {i: jnp.zeros(shards[i].shape, self.dp.reduce_dtype(i)) for i in self.trained}
@@ -168,7 +181,10 @@ class RolledLoop(Loop):
       ct_carry, ct_consts, ct_xs, grads = state
       carry, x = _read(saved, i), _read(xs, i)
       ctx = self._context(consts, carry, x)
-      cts = {k: c for k, c in zip(keys, ct_carry) if c is not None}
+      cts = {}
+      for k, c in zip(keys, list(ct_carry) + _read(ct_ys, i)):
+        if c is not None:  # (a value both carried and stacked out gets both)
+          cts[k] = c if k not in cts else cts[k] + c
       gather = self._gatherer(_read(shards, i), "backward", _read(stacks, i))
       chunks = {}
 
@@ -195,7 +211,7 @@ class RolledLoop(Loop):
       ]
       return (ct_carry, ct_consts, ct_xs, _write(grads, i, chunks)), None
 
-    ct_carry = [c if _is_float(c) else None for c in ct_outs]
+    ct_carry = [c if _is_float(c) else None for c in ct_outs[: self.num_carry]]
     state = (ct_carry, ct_consts, ct_xs, grads)
     (ct_carry, ct_consts, ct_xs, grads), _ = lax.scan(
       step, state, jnp.arange(self.length), reverse=True
@@ -279,3 +295,40 @@ class RolledLoop(Loop):
 def _ct(cts, key, like):
   """The cotangent a context value received, or zeros like it."""
   return cts[key].astype(jnp.result_type(like)) if key in cts else jnp.zeros_like(like)
+
+
+class PartedScan(RolledLoop):
+  """A scan whose layer the schedule cuts into parts: its body as a run (loops.scan_run)
+  walked part by part; its inputs, outputs, stacked shards and their cotangents are the
+  scan op's, as a whole-layer scan's (Loop) are."""
+
+  input_values = Loop.input_values
+  stacked_shards = Loop.stacked_shards
+  input_cotangents = Loop.input_cotangents
+  stacked_param_cotangents = Loop.stacked_param_cotangents
+
+  def __init__(self, dp, segment: int, op, forward_step, backward_step):
+    self.dp, self.segment, self.op = dp, segment, op
+    self.inputs, self.outputs = list(op.inputs), list(op.outputs)
+    self.length, self.reverse = op.eqn.params["length"], False
+    self.num_consts, self.num_carry = loops.loop_inputs(op.eqn)
+    self.first_xs = self.num_consts + self.num_carry
+    self.read_steps(forward_step, backward_step)
+    stacked = {i for b in self.buckets for i in dp.members[b]}
+    start = dp.s.segments[segment].start
+    self.run, why = loops.scan_run(dp.program, start, stacked, len(dp.s.params))
+    if self.run is None:
+      raise ScheduleMismatchError(
+        f"Segment {segment}'s loop cuts its scan's layer into parts, but {why}. Recompile "
+        f"the schedule."
+      )
+    self.stacked_inputs = {  # input position -> (param index, layout ops): read per layer
+      j: dp.chains[a]
+      for j, a in enumerate(op.inputs)
+      if isinstance(a, int) and a in dp.chains and dp.chains[a][0] in stacked
+    }
+    self.layer_slices = {}
+    self.gathered = {p: rows[0] for p, rows in enumerate(self.run.stacked)}
+    self.replicated = []
+    self.template = roll.template_ops(dp.program, self.run)
+    self.parts = self._parts(forward_step, backward_step)

@@ -76,8 +76,8 @@ def _rolled_body_steps(trace, run, seg, buckets, elements, bucket_of, entries, c
   parts = tuple(
     ir.Segment(
       id=p,
-      start=run.start + io.start,
-      end=run.start + io.end,
+      start=run.op_offset + io.start,
+      end=run.op_offset + io.end,
       buckets=tuple(sorted({position_bucket[q] for q in io.positions})),
       backward_buckets=loop_parts.backward_reads(runner, p, position_bucket),
       label=_part_label(trace, run, runner, io),
@@ -177,8 +177,8 @@ def _part_label(trace, run, runner, io) -> str:
   """The module of the part's first op that reads a gathered weight (as segments' labels)."""
   for j in range(io.start, io.end):
     if any(src[0] == "layer" and src[1] in runner.gathered for src in run.sources[j]):
-      return trace.ops[run.start + j].module
-  return trace.ops[run.start + io.start].module
+      return runner.template[j].module
+  return runner.template[io.start].module
 
 
 def _unread_in_backward(runner, stacked, buckets) -> frozenset:

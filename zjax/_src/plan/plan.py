@@ -180,6 +180,9 @@ def _plan_with(trace, config, axis_sizes, frozen, platform, rolling, tensor) -> 
     bodies[k] = rolled_body(
       trace, run, segments[k], buckets, elements, bucket_of, entries, config, rolling, tensor.any
     )
+  bodies.update(
+    _scan_bodies(trace, segments, stacked, buckets, elements, bucket_of, entries, config, rolling)
+  )
   unread = (
     {}
     if config.secondary_partition
@@ -215,6 +218,26 @@ def _plan_with(trace, config, axis_sizes, frozen, platform, rolling, tensor) -> 
       )
     ),
   )
+
+
+def _scan_bodies(
+  trace, segments, stacked, buckets, elements, bucket_of, entries, config, rolling
+) -> dict:
+  """Scan segment -> its layer planned part by part (the scan's body as a rolled layer's,
+  loops.scan_run), where the knobs cut it; other scans gather whole layers."""
+  out = {}
+  for seg in segments:
+    members = {i for i, op in stacked.items() if op == seg.start}
+    run = members and loops.scan_run(trace.program, seg.start, members, len(trace.params))[0]
+    if not run:
+      continue
+    try:
+      body = rolled_body(trace, run, seg, buckets, elements, bucket_of, entries, config, rolling)
+    except DoNotRoll:  # a part does not fit: the whole-layer plan says why
+      continue
+    if body.parts:
+      out[seg.id] = body
+  return out
 
 
 def _zero_gradient(trace, frozen) -> frozenset[int]:

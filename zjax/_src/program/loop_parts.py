@@ -75,6 +75,8 @@ def differentiable_inputs(run, replicated, entries, needs_gradient) -> frozenset
   persistent per-layer parameters. Not the others, as jax.value_and_grad would not: they
   may feed ops JAX cannot transpose (a while_loop on a float from the batch)."""
   consts = [("const", k) for k, v in enumerate(run.consts) if v in needs_gradient]
+  if run.body is not None:  # a scan's xs: program values, differentiated as consts are
+    consts += [("xs", k) for k, v in enumerate(run.xs) if v in needs_gradient]
   stacks = [
     ("xs", len(run.xs) + r)
     for r, p in enumerate(replicated)
@@ -114,6 +116,11 @@ class PartRunner:
     self.views = self._views()  # (j, o) -> (base position, layout ops from it)
     self.bucket_of = {q: bucket_of[i] for q, i in gathered.items()}
     self.parts = [self._io(a, b) for a, b in self._cut()]
+
+  @property
+  def out_keys(self) -> list:
+    """The context keys an iteration outputs: its carries, then a scan's stacked ys."""
+    return [("local", j, o) for j, o in self.run.carry_out + self.run.ys_out]
 
   def _views(self) -> dict:
     views = {}
@@ -181,7 +188,7 @@ class PartRunner:
       if not self._is_view_op(j)
       for s in self.run.sources[j]
     }
-    later |= {("local", j, o) for j, o in self.run.carry_out}
+    later |= set(self.out_keys)
     outputs = [
       ("local", j, o)
       for j in range(a, b)
@@ -454,9 +461,7 @@ def _traced_backward(runner, body):
       if k[0] == "local" and k not in computed
     }
   )
-  ct_keys = [
-    ("local", j, o) for j, o in runner.run.carry_out if ir.is_float(avals[("local", j, o)].dtype)
-  ]
+  ct_keys = [k for k in dict.fromkeys(runner.out_keys) if ir.is_float(avals[k].dtype)]
 
   def run(gathered, ctx_values, ct_values, hole_values):
     values, fill, scattered = iter(gathered), dict(zip(holes, hole_values)), []

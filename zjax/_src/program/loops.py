@@ -13,12 +13,15 @@ before it. Anything else a loop reads (a weight shared by every iteration, as in
 `fori_loop` applying one layer K times) is gathered once before the loop.
 """
 
+import dataclasses
+
 import jax
 import jax.extend.core as jex
 import numpy as np
 from jax._src.interpreters import partial_eval as pe  # JAX's own DCE (as segments.py)
 
-from zjax._src.program.program import FlatProgram
+from zjax._src.program import roll
+from zjax._src.program.program import FlatProgram, flatten_program, join_scope
 from zjax._src.program.trace import param_views
 from zjax._src.schedule import ir
 
@@ -169,6 +172,69 @@ def _view_ops(program, views, num_params) -> dict[int, tuple]:
     if op.primitive in _SHAPE_KEEPING and len(srcs) == 1 and srcs[0] in chains:
       chains.update((o, chains[srcs[0]] + (op,)) for o in op.outputs if o in views)
   return chains
+
+
+def scan_run(program: FlatProgram, op_index: int, stacked, num_params: int):
+  """The scan op at `op_index`, whose stacked parameters are `stacked` (indices), as a
+  roll.Run over its flattened body, so that its layer can be cut into parts as a rolled
+  layer is (loop_parts.py) -> (run, "") or (None, why it cannot: then the loop gathers
+  whole layers). Each stacked xs input becomes a ("layer", p) source."""
+  op = program.ops[op_index]
+  eqn = op.eqn
+  num_consts, num_carry = loop_inputs(eqn)
+  first_xs = num_consts + num_carry
+  if eqn.params["reverse"]:
+    return None, "it runs in reverse"
+  views = param_views(program, num_params)
+  chains = _view_ops(program, views, num_params)
+  layer_of, rows = {}, []  # xs input position -> stacked position; its parameter
+  for i in sorted(stacked):
+    for j in input_positions(op, i, views):
+      if j < first_xs or chains.get(op.inputs[j]):
+        return None, "a stacked weight is read as W[i] of a const, or cast before the scan"
+      layer_of[j] = len(rows)
+      rows.append((i,))
+  body = flatten_program(eqn.params["jaxpr"])
+  made = {o: (j, k) for j, bop in enumerate(body.ops) for k, o in enumerate(bop.outputs)}
+  body_consts = dict(zip(body.const_ids, body.consts))
+  role = {}
+  for k, vid in enumerate(body.input_ids):
+    a = op.inputs[k]
+    if k < num_consts:
+      role[vid] = ("lit", a.val) if isinstance(a, jex.Literal) else ("const", k)
+    elif k < first_xs:
+      role[vid] = ("carry", k - num_consts)
+    else:
+      role[vid] = ("layer", layer_of[k]) if k in layer_of else ("xs", k - first_xs)
+
+  def source(a):
+    if isinstance(a, jex.Literal):
+      return ("lit", a.val)
+    if a in body_consts:
+      return ("lit", body_consts[a])
+    return ("local", *made[a]) if a in made else role[a]
+
+  produced = [made.get(a) if isinstance(a, int) else None for a in body.output_ids]
+  if None in produced:
+    return None, "an iteration passes an input or a constant straight to an output"
+  run = roll.Run(
+    start=op_index,
+    block=len(body.ops),
+    length=eqn.params["length"],
+    sources=tuple(tuple(source(a) for a in bop.inputs) for bop in body.ops),
+    consts=tuple(None if isinstance(a, jex.Literal) else a for a in op.inputs[:num_consts]),
+    carry_in=tuple(op.inputs[num_consts:first_xs]),
+    carry_out=tuple(produced[:num_carry]),
+    outputs=tuple(op.outputs[:num_carry]),
+    stacked=tuple(rows),
+    xs=tuple(None if k in layer_of else op.inputs[k] for k in range(first_xs, len(op.inputs))),
+    body=dataclasses.replace(
+      body,
+      ops=tuple(dataclasses.replace(b, module=join_scope(op.module, b.module)) for b in body.ops),
+    ),
+    ys_out=tuple(produced[num_carry:]),
+  )
+  return run, ""
 
 
 def loop_inputs(eqn) -> tuple[int, int]:

@@ -61,7 +61,7 @@ class _Flattener:
 
   def _walk(self, jaxpr, frame, scope):
     for eqn in jaxpr.eqns:
-      module = _join_scope(scope, str(eqn.source_info.name_stack))
+      module = join_scope(scope, str(eqn.source_info.name_stack))
       inputs = tuple(_read(frame, a) for a in eqn.invars)
       if eqn.primitive.name in INLINED_PRIMITIVES:
         sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
@@ -96,6 +96,6 @@ def _read(frame, atom):
   return atom if isinstance(atom, jex.Literal) else frame[atom]
 
 
-def _join_scope(outer: str, inner: str) -> str:
+def join_scope(outer: str, inner: str) -> str:
   """Name stacks inside a jit are relative to the call site."""
   return f"{outer}/{inner}" if outer and inner else outer or inner

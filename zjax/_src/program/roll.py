@@ -96,10 +96,21 @@ class Run:
   # template ops that are static slices at per-layer offsets: run as dynamic slices, their
   # sources extended by one start per dim (("xs", k) or ("lit", offset))
   dynamic_slices: tuple[int, ...] = ()
+  # A scan's body as a run (loops.scan_run): the body flattened (its ops are the template,
+  # numbered from 0), each iteration's stacked outputs (template op, output), and `xs`
+  # holding the scan's xs value ids (None at a stacked parameter's position). None / ()
+  # for a run of the program's own ops.
+  body: FlatProgram | None = None
+  ys_out: tuple[tuple[int, int], ...] = ()
 
   @property
   def end(self) -> int:
     return self.start + self.block * self.length
+
+  @property
+  def op_offset(self) -> int:
+    """The program op number of template op 0 (a scan's body ops are numbered apart: 0)."""
+    return 0 if self.body is not None else self.start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +169,8 @@ def template_ops(program: FlatProgram, run: Run) -> list:
   """The ops one iteration of `run` applies (block 0's, with each static slice at per-layer
   offsets made a dynamic slice that reads its starts after its operand, as its sources
   say)."""
+  if run.body is not None:
+    return list(run.body.ops)
   ops = list(program.ops[run.start : run.start + run.block])
   for j in run.dynamic_slices:
     op, eqn = ops[j], ops[j].eqn
@@ -171,7 +184,10 @@ def template_ops(program: FlatProgram, run: Run) -> list:
 
 
 def layer_names(params, run) -> str:
-  """The first and last layer, named by the common path prefix of their parameters."""
+  """The first and last layer, named by the common path prefix of their parameters (a
+  scan's layers: the prefix of its stacked parameters)."""
+  if run.body is not None:
+    return f"the scan over {_common_prefix([params[rows[0]].path for rows in run.stacked])}"
 
   def prefix(layer):
     return _common_prefix([params[layers[layer]].path for layers in run.stacked])

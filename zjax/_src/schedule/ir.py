@@ -215,8 +215,9 @@ class Step:
   prefetch: bool = False
   length: int = 0  # loop: trip count
   body: tuple = ()  # loop: the steps run once per iteration
-  # a rolled loop whose layer is cut into parts (loop_parts.py): the parts (Segments over
-  # the first layer's ops; ids 0..); compute / recompute steps of its body name a part
+  # a loop whose layer is cut into parts (loop_parts.py): the parts (Segments over a rolled
+  # run's first layer's ops, or a scan body's ops numbered from 0; ids 0..); compute /
+  # recompute steps of its body name a part
   parts: tuple = ()
   part: int | None = None
 

@@ -473,16 +473,21 @@ class _Simulator:
     stacked bucket is released by the end of the body, and in backward each trained one is
     reduce-scattered once after its last use. Returns the peak live bytes inside."""
     seg, parts = self.s.segments[step.segment], step.parts
-    layer_end = seg.start + (seg.end - seg.start) // step.length
+    # a rolled layer's parts cut its first layer's ops; a scan's, its body's (numbered from
+    # 0; the executor checks the cut against the program)
+    if any(self.s.buckets[b].layers for b in stacked):
+      first, end = seg.start, seg.start + (seg.end - seg.start) // step.length
+      layer = f"its first layer, ops [{first}, {end}),"
+    else:
+      first, end, layer = 0, parts[-1].end, "its scan's body from op 0"
     if (
       [p.id for p in parts] != list(range(len(parts)))
-      or parts[0].start != seg.start
-      or parts[-1].end != layer_end
-      or any(a.end != b.start for a, b in zip(parts, parts[1:]))
+      or parts[0].start != first
+      or parts[-1].end != end
+      or any(a.end != b.start or a.start >= a.end for a, b in zip(parts, parts[1:]))
     ):
       raise ScheduleError(
-        f"{where}: the loop's parts must be numbered 0.. and cut its first "
-        f"layer, ops [{seg.start}, {layer_end}), into consecutive ranges."
+        f"{where}: the loop's parts must be numbered 0.. and cut {layer} into consecutive ranges."
       )
     order = list(range(len(parts)))
     wanted = {

@@ -1,0 +1,162 @@
+"""Scanned layers keep every knob: a scan over stacked weights (`nn.scan`, a hand-written
+`lax.scan`) whose layer does not fit `max_live_parameters` at once, or whose knobs release
+and re-gather sub-module by sub-module (`max_reuse_distance`, `prefetch_bucket_size`), is
+gathered part by part inside each iteration, as a rolled layer is (loops.scan_run: the
+scan's body as a rolled layer's; loop_parts.py walks it). Before, such a scan was gathered
+whole in every iteration, and a cap below one layer did not plan.
+
+Each case: gradients == plain single-device JAX (fp32 rtol 1e-5), the compiled collectives
+== the report in count and bytes, and the peak of live gathered bytes no higher than the
+same model unrolled."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import real_models
+import zjax
+from helpers import assert_parity, assert_trees_close, reference
+from test_rolled_parts import assert_exact, largest_bucket, parted_loops
+from test_rolling import gpt
+from zjax._src.errors import ScheduleMismatchError
+from zjax._src.schedule import ir
+from zjax._src.xla import hlo
+
+LEAN = dict(param_persistence_threshold=0, max_reuse_distance=0, prefetch_bucket_size=0)
+
+
+def scanned_and_unrolled_peaks(config, n):
+  """The scanned GPT's schedule (parity and report == HLO checked) and the unrolled GPT's
+  peak of live gathered bytes under the same knobs."""
+  case = real_models.Case(*gpt(2, scan_layers=True))
+  schedule, compiled = assert_parity(case.loss_fn, case.params, case.batch, n=n, config=config)
+  assert_exact(schedule, compiled)
+  unrolled = zjax.compile_schedule(
+    *gpt(2), num_devices=n, config=dataclasses.replace(config, roll_layers=False)
+  )
+  return schedule, unrolled.report()["peak_live_param_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n, leaves", [(8, 1), (4, 1), (8, 2)])
+def test_scanned_gpt_at_one_and_two_largest_leaves(n, leaves):
+  """At one largest leaf the layer does not fit: the scan's layer is gathered by parts (this
+  did not plan before: 'needs ... above max_live_parameters'); at two it may be whole."""
+  cap = leaves * largest_bucket(real_models.Case(*gpt(2, scan_layers=True)))
+  config = zjax.ZeroConfig(param_persistence_threshold=0, max_live_parameters=cap)
+  schedule, unrolled_peak = scanned_and_unrolled_peaks(config, n)
+  report = schedule.report()
+  assert report["peak_live_param_bytes"] <= unrolled_peak
+  assert [st.length for st in schedule.forward if st.op == ir.LOOP_OP] == [2]
+  if leaves == 1:
+    (loop,) = parted_loops(schedule)
+    assert len(loop.parts) > 1
+
+
+@pytest.mark.slow
+def test_scanned_gpt_released_after_every_use_gathers_by_parts():
+  """ZeRO-3's leanest regime on an nn.scan stack. With nn.remat inside it the body is one op
+  (one part, its weights kept from its recompute to its vjp): the whole-layer loop."""
+  schedule, unrolled_peak = scanned_and_unrolled_peaks(zjax.ZeroConfig(**LEAN), 8)
+  (loop,) = parted_loops(schedule)
+  assert len(loop.parts) > 1
+  assert schedule.report()["peak_live_param_bytes"] <= unrolled_peak
+  backward = next(st for st in schedule.backward if st.op == ir.LOOP_OP)
+  assert [st.part for st in backward.body if st.op == ir.RECOMPUTE_OP] == list(
+    range(len(loop.parts))
+  )
+  remat = gpt(2, scan_layers=True, remat=True)
+  schedule, compiled = assert_parity(*remat, n=8, config=zjax.ZeroConfig(**LEAN))
+  assert_exact(schedule, compiled)
+  assert not parted_loops(schedule)
+
+
+def scan_with_outputs(num_layers=3, d=16):
+  """A hand-written lax.scan with what nn.scan stacks rarely have: stacked outputs (ys),
+  per-layer activations as xs (computed from a weight, so they need a gradient), a float xs
+  without one, an integer carry, and a weight every iteration reads (a scan const)."""
+  k = jax.random.split(jax.random.key(3), 6)
+  params = {
+    "attn": {
+      "w": jax.random.normal(k[0], (num_layers, d, d)) / np.sqrt(d),
+      "b": 0.1 * jax.random.normal(k[1], (num_layers, d)),
+    },
+    "mlp": {"w": jax.random.normal(k[2], (num_layers, d, d)) / np.sqrt(d)},
+    "shared": jax.random.normal(k[3], (d, d)) / np.sqrt(d),
+  }
+  batch = {
+    "x": jax.random.normal(k[4], (8, d)),
+    "z": jax.random.normal(k[5], (8, num_layers, d)),
+  }
+
+  def loss(p, b):
+    scales = 1.0 + jnp.arange(num_layers, dtype=jnp.float32) / num_layers
+    inputs = jnp.tanh(jnp.swapaxes(b["z"], 0, 1) @ p["shared"])  # xs that depend on a weight
+
+    def body(carry, xs):
+      x, count = carry
+      w, bias, w2, scale, inp = xs
+      h = jnp.tanh(x @ w + bias) * scale + inp
+      x = x + h @ w2 + 0.1 * jnp.tanh(x @ p["shared"])
+      return (x, count + 1), jnp.mean(h * x, axis=-1)
+
+    xs = (p["attn"]["w"], p["attn"]["b"], p["mlp"]["w"], scales, inputs)
+    (x, count), ys = jax.lax.scan(body, (b["x"], 0), xs)
+    return jnp.mean(x**2) + jnp.mean(ys**2) + 0.0 * count
+
+  return loss, params, batch
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [8, 4])
+def test_lax_scan_with_ys_xs_and_a_shared_weight_by_parts(n):
+  loss, params, batch = scan_with_outputs()
+  schedule, compiled = assert_parity(loss, params, batch, n=n, config=zjax.ZeroConfig(**LEAN))
+  assert_exact(schedule, compiled)
+  (loop,) = parted_loops(schedule)
+  assert len(loop.parts) == 2  # attn, then mlp
+  assert schedule.param("['attn']['w']").stacked and not schedule.param("['shared']").stacked
+
+
+@pytest.mark.slow
+def test_hpz_scan_by_parts():
+  """hpZ (secondary_partition) in a scan cut into parts: each part's first forward gather
+  keeps the layer's secondary shard; backward re-gathers move over the shard axis only."""
+  case = real_models.Case(*gpt(2, scan_layers=True))
+  mesh = jax.make_mesh((2, 2), ("data", "fsdp"), devices=jax.devices()[:4])
+  config = zjax.ZeroConfig(**LEAN, replicate_axes=("data",), secondary_partition=True)
+  schedule = zjax.compile_schedule(case.loss_fn, case.params, case.batch, mesh=mesh, config=config)
+  assert parted_loops(schedule)
+  step = zjax.value_and_grad(case.loss_fn, schedule, mesh=mesh)
+  sharded = zjax.shard(case.params, schedule, mesh)
+  loss, grads = step(sharded, case.batch)
+  ref_loss, ref_grads = reference(case.loss_fn, case.params, case.batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(zjax.unshard(grads, schedule), ref_grads)
+  compiled = hlo.compile_for_analysis(step.lower(sharded, case.batch))
+  assert_exact(schedule, compiled)
+  report, by_axis = schedule.report(), hlo.executed_by_axis(compiled.as_text(), dict(mesh.shape))
+  assert by_axis["all_gather"] == report["all_gather_bytes_by_axis"]
+  assert by_axis["reduce_scatter"] == report["reduce_scatter_bytes_by_axis"]
+  assert set(report["all_gather_bytes_by_axis"]) == {"data+fsdp", "fsdp"}
+
+
+def test_scan_parts_round_trip_and_a_cut_the_program_lacks_is_refused():
+  loss, params, batch = scan_with_outputs(num_layers=2, d=8)
+  schedule = zjax.compile_schedule(
+    loss, params, batch, num_devices=4, config=zjax.ZeroConfig(**LEAN)
+  )
+  assert zjax.Schedule.from_json(schedule.to_json()) == schedule
+  data = json.loads(schedule.to_json())
+  for phase in ("forward", "backward"):  # move the cut between the two parts by one op
+    loop = next(st for st in data[phase] if st["op"] == ir.LOOP_OP)
+    loop["parts"][0]["end"] -= 1
+    loop["parts"][1]["start"] -= 1
+  edited = zjax.Schedule.from_json(json.dumps(data))  # consistent on its own
+  mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices()[:4])
+  with pytest.raises(ScheduleMismatchError, match="cuts its layer into parts at ops"):
+    zjax.value_and_grad(loss, edited, mesh=mesh)(zjax.shard(params, edited, mesh), batch)
