@@ -34,15 +34,28 @@ class _RolledBody:
 
 
 def rolled_body(
-  trace, run, seg, buckets, elements, bucket_of, entries, config, rolling, tensor_parallel=False
+  trace,
+  run,
+  seg,
+  buckets,
+  elements,
+  bucket_of,
+  entries,
+  config,
+  rolling,
+  tensor_parallel=False,
+  find_unread=True,
 ):
   """The run's layer planned part by part, as the unrolled planner plans segments (the same
   knobs; what the segments around the loop keep gathered through it counts against
   max_live_parameters). Without parts when one whole layer gathered at once is what that
   plan says (the loop gathers it as one, prefetching the next layer where the knobs allow).
   Raises DoNotRoll where the run cannot keep the knobs (the unrolled plan decides).
-  `tensor_parallel`: also find what the backward iteration executes (_RolledBody)."""
-  body = _rolled_body_steps(trace, run, seg, buckets, elements, bucket_of, entries, config, rolling)
+  `tensor_parallel`: also find what the backward iteration executes (_RolledBody);
+  `find_unread`: a whole-layer body's unread buckets (a scan's come from loops.py)."""
+  body = _rolled_body_steps(
+    trace, run, seg, buckets, elements, bucket_of, entries, config, rolling, find_unread
+  )
   if not tensor_parallel:
     return body
   runner, stacked = _runner(trace, run, seg, buckets, bucket_of, entries)
@@ -70,7 +83,9 @@ def _runner(trace, run, seg, buckets, bucket_of, entries):
   return loop_parts.part_runner(trace.program, run, members, entries, bucket_of), stacked
 
 
-def _rolled_body_steps(trace, run, seg, buckets, elements, bucket_of, entries, config, rolling):
+def _rolled_body_steps(
+  trace, run, seg, buckets, elements, bucket_of, entries, config, rolling, find_unread=True
+):
   runner, stacked = _runner(trace, run, seg, buckets, bucket_of, entries)
   position_bucket = {q: bucket_of[i] for q, i in runner.gathered.items()}
   parts = tuple(
@@ -99,15 +114,11 @@ def _rolled_body_steps(trace, run, seg, buckets, elements, bucket_of, entries, c
   # every bucket gathered before the first part and none again in backward: the peak is one
   # whole layer either way, and the whole-layer loop may prefetch the next layer
   first_compute = next(k for k, st in enumerate(forward) if st.op == "compute")
-  whole_layer = _RolledBody(
-    (),
-    (),
-    (),
-    0,
-    frozenset() if config.secondary_partition else _unread_in_backward(runner, stacked, buckets),
-  )
   if not any(st.op == "gather" for st in forward[first_compute:] + backward):
-    return whole_layer
+    unread = frozenset()  # hpZ: each layer's secondary is dropped
+    if find_unread and not config.secondary_partition:
+      unread = _unread_in_backward(runner, stacked, buckets)
+    return _RolledBody((), (), (), 0, unread)
   kept = [b for b in stacked if not any(st.op == "release" and st.bucket == b for st in forward)]
   as_part = lambda st, op=None: (
     dataclasses.replace(  # noqa: E731

@@ -232,7 +232,9 @@ def _scan_bodies(
     if not run:
       continue
     try:
-      body = rolled_body(trace, run, seg, buckets, elements, bucket_of, entries, config, rolling)
+      body = rolled_body(
+        trace, run, seg, buckets, elements, bucket_of, entries, config, rolling, find_unread=False
+      )
     except DoNotRoll:  # a part does not fit: the whole-layer plan says why
       continue
     if body.parts:
