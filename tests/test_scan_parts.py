@@ -19,7 +19,7 @@ import pytest
 
 import real_models
 import zjax
-from helpers import assert_parity, assert_trees_close, reference
+from helpers import assert_parity, assert_trees_close, reference, run_zjax
 from test_rolled_parts import assert_exact, largest_bucket, parted_loops
 from test_rolling import gpt
 from zjax._src.errors import ScheduleMismatchError
@@ -75,10 +75,12 @@ def test_scanned_gpt_released_after_every_use_gathers_by_parts():
   assert not parted_loops(schedule)
 
 
-def scan_with_outputs(num_layers=3, d=16):
+def scan_with_outputs(num_layers=3, d=16, reverse=False, cast=False):
   """A hand-written lax.scan with what nn.scan stacks rarely have: stacked outputs (ys),
   per-layer activations as xs (computed from a weight, so they need a gradient), a float xs
-  without one, an integer carry, and a weight every iteration reads (a scan const)."""
+  without one, an integer carry, and a weight every iteration reads (a scan const); run
+  in reverse, or with the attention weights stored in bfloat16 and cast to float32 before
+  the scan (mixed precision: a cast of the stack, applied per layer)."""
   k = jax.random.split(jax.random.key(3), 6)
   params = {
     "attn": {
@@ -88,6 +90,8 @@ def scan_with_outputs(num_layers=3, d=16):
     "mlp": {"w": jax.random.normal(k[2], (num_layers, d, d)) / np.sqrt(d)},
     "shared": jax.random.normal(k[3], (d, d)) / np.sqrt(d),
   }
+  if cast:
+    params["attn"]["w"] = params["attn"]["w"].astype(jnp.bfloat16)
   batch = {
     "x": jax.random.normal(k[4], (8, d)),
     "z": jax.random.normal(k[5], (8, num_layers, d)),
@@ -104,22 +108,53 @@ def scan_with_outputs(num_layers=3, d=16):
       x = x + h @ w2 + 0.1 * jnp.tanh(x @ p["shared"])
       return (x, count + 1), jnp.mean(h * x, axis=-1)
 
-    xs = (p["attn"]["w"], p["attn"]["b"], p["mlp"]["w"], scales, inputs)
-    (x, count), ys = jax.lax.scan(body, (b["x"], 0), xs)
+    attn_w = p["attn"]["w"].astype(jnp.float32)
+    xs = (attn_w, p["attn"]["b"], p["mlp"]["w"], scales, inputs)
+    (x, count), ys = jax.lax.scan(body, (b["x"], 0), xs, reverse=reverse)
     return jnp.mean(x**2) + jnp.mean(ys**2) + 0.0 * count
 
   return loss, params, batch
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n", [8, 4])
-def test_lax_scan_with_ys_xs_and_a_shared_weight_by_parts(n):
-  loss, params, batch = scan_with_outputs()
-  schedule, compiled = assert_parity(loss, params, batch, n=n, config=zjax.ZeroConfig(**LEAN))
+@pytest.mark.parametrize(
+  "n, variant", [(8, {}), (4, {}), (8, {"reverse": True}), (4, {"cast": True})]
+)
+def test_lax_scan_with_ys_xs_and_a_shared_weight_by_parts(n, variant):
+  loss, params, batch = scan_with_outputs(**variant)
+  if "cast" in variant:
+    schedule, compiled = assert_bfloat16_weight_parity(loss, params, batch, n)
+  else:
+    schedule, compiled = assert_parity(loss, params, batch, n=n, config=zjax.ZeroConfig(**LEAN))
   assert_exact(schedule, compiled)
   (loop,) = parted_loops(schedule)
-  assert len(loop.parts) == 2  # attn, then mlp
+  # attn, then mlp (the bfloat16 weight is a bucket of its own: a part of its own)
+  assert len(loop.parts) == (3 if "cast" in variant else 2)
   assert schedule.param("['attn']['w']").stacked and not schedule.param("['shared']").stacked
+
+
+def assert_bfloat16_weight_parity(loss, params, batch, n):
+  """Gradients against plain JAX data parallelism on one device: a bfloat16 weight cast up
+  inside the program has its gradient rounded to bfloat16 on each device, before the
+  devices' parts are summed (as on any data-parallel run), so the reference rounds each
+  batch slice's gradient too, then sums them in float32 as zjax's reduce-scatter does (its
+  reduce_dtype float32) and rounds once. bfloat16 leaves within one bfloat16 ulp (the sum's
+  order), the rest at fp32 rtol 1e-5."""
+  config = zjax.ZeroConfig(**LEAN, reduce_dtype=jnp.float32)
+  schedule, loss_value, grads, compiled = run_zjax(loss, params, batch, n=n, config=config)
+  slices = [jax.tree.map(lambda x, d=d: x[d * 8 // n : (d + 1) * 8 // n], batch) for d in range(n)]
+  parts = [jax.jit(jax.grad(loss))(params, part) for part in slices]
+  expected = jax.tree.map(
+    lambda *g: (sum(x.astype(jnp.float32) for x in g) / n).astype(g[0].dtype), *parts
+  )
+  np.testing.assert_allclose(loss_value, reference(loss, params, batch)[0], rtol=1e-5)
+  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
+    assert got.dtype == want.dtype
+    rtol = 2.0**-8 if want.dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(
+      np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=rtol, atol=1e-6
+    )
+  return schedule, compiled
 
 
 @pytest.mark.slow

@@ -150,17 +150,19 @@ class RolledLoop(Loop):
 
     def step(state, i):
       carry, saved, ys, stacks = state
-      ctx, kept = self._context(consts, carry, _read(xs, i)), {}
+      layer = self.layer(i)  # (a reverse scan visits the last layer first)
+      ctx, kept = self._context(consts, carry, _read(xs, layer)), {}
       loop_parts.walk_forward(
         self.parts,
         self.bodies["forward"],
         ctx,
-        self._gatherer(_read(shards, i), "forward", kept),
+        self._gatherer(_read(shards, layer), "forward", kept),
         carry if carry else anchor,
       )
       new_carry = [ctx[("local", j, o)] for j, o in self.run.carry_out]
       y = [ctx[("local", j, o)] for j, o in self.run.ys_out]
-      return (new_carry, _write(saved, i, carry), _write(ys, i, y), _write(stacks, i, kept)), None
+      saved, ys = _write(saved, i, carry), _write(ys, layer, y)
+      return (new_carry, saved, ys, _write(stacks, layer, kept)), None
 
     (carry, saved, ys, stacks), _ = lax.scan(
       step, (carry, saved, ys, stacks), jnp.arange(self.length)
@@ -179,13 +181,14 @@ class RolledLoop(Loop):
 
     def step(state, i):
       ct_carry, ct_consts, ct_xs, grads = state
-      carry, x = _read(saved, i), _read(xs, i)
+      layer = self.layer(i)
+      carry, x = _read(saved, i), _read(xs, layer)
       ctx = self._context(consts, carry, x)
       cts = {}
-      for k, c in zip(keys, list(ct_carry) + _read(ct_ys, i)):
+      for k, c in zip(keys, list(ct_carry) + _read(ct_ys, layer)):
         if c is not None:  # (a value both carried and stacked out gets both)
           cts[k] = c if k not in cts else cts[k] + c
-      gather = self._gatherer(_read(shards, i), "backward", _read(stacks, i))
+      gather = self._gatherer(_read(shards, layer), "backward", _read(stacks, layer))
       chunks = {}
 
       def scatter(b, layer_grads):
@@ -206,10 +209,10 @@ class RolledLoop(Loop):
       ]
       ct_x = [None if a is None else _ct(cts, ("xs", k), a[0]) for k, a in enumerate(ct_xs)]
       ct_xs = [
-        a if a is None else lax.dynamic_update_index_in_dim(a, c.astype(a.dtype), i, 0)
+        a if a is None else lax.dynamic_update_index_in_dim(a, c.astype(a.dtype), layer, 0)
         for a, c in zip(ct_xs, ct_x)
       ]
-      return (ct_carry, ct_consts, ct_xs, _write(grads, i, chunks)), None
+      return (ct_carry, ct_consts, ct_xs, _write(grads, layer, chunks)), None
 
     ct_carry = [c if _is_float(c) else None for c in ct_outs[: self.num_carry]]
     state = (ct_carry, ct_consts, ct_xs, grads)
@@ -310,7 +313,7 @@ class PartedScan(RolledLoop):
   def __init__(self, dp, segment: int, op, forward_step, backward_step):
     self.dp, self.segment, self.op = dp, segment, op
     self.inputs, self.outputs = list(op.inputs), list(op.outputs)
-    self.length, self.reverse = op.eqn.params["length"], False
+    self.length, self.reverse = op.eqn.params["length"], op.eqn.params["reverse"]
     self.num_consts, self.num_carry = loops.loop_inputs(op.eqn)
     self.first_xs = self.num_consts + self.num_carry
     self.read_steps(forward_step, backward_step)

@@ -178,24 +178,32 @@ def scan_run(program: FlatProgram, op_index: int, stacked, num_params: int):
   """The scan op at `op_index`, whose stacked parameters are `stacked` (indices), as a
   roll.Run over its flattened body, so that its layer can be cut into parts as a rolled
   layer is (loop_parts.py) -> (run, "") or (None, why it cannot: then the loop gathers
-  whole layers). Each stacked xs input becomes a ("layer", p) source."""
+  whole layers). Each stacked xs input becomes a ("layer", p) source; a cast of the stack
+  before the scan becomes per-layer casts at the head of the body (weight views, as a
+  rolled layer's are). The direction is the executor's (a reverse scan visits the last
+  layer first)."""
   op = program.ops[op_index]
   eqn = op.eqn
   num_consts, num_carry = loop_inputs(eqn)
   first_xs = num_consts + num_carry
-  if eqn.params["reverse"]:
-    return None, "it runs in reverse"
   views = param_views(program, num_params)
   chains = _view_ops(program, views, num_params)
-  layer_of, rows = {}, []  # xs input position -> stacked position; its parameter
+  head, head_sources, layer_of, rows = [], [], {}, []
   for i in sorted(stacked):
     for j in input_positions(op, i, views):
-      if j < first_xs or chains.get(op.inputs[j]):
-        return None, "a stacked weight is read as W[i] of a const, or cast before the scan"
-      layer_of[j] = len(rows)
+      if j < first_xs:
+        return None, "a stacked weight is read as W[i] of a const"
+      source = ("layer", len(rows))
+      for view in chains[op.inputs[j]]:  # the stack's casts, one layer at a time
+        head.append(_per_layer(view, program.avals))
+        head_sources.append((source,))
+        source = ("local", len(head) - 1, 0)
+      layer_of[j] = source
       rows.append((i,))
   body = flatten_program(eqn.params["jaxpr"])
-  made = {o: (j, k) for j, bop in enumerate(body.ops) for k, o in enumerate(bop.outputs)}
+  made = {
+    o: (len(head) + j, k) for j, bop in enumerate(body.ops) for k, o in enumerate(bop.outputs)
+  }
   body_consts = dict(zip(body.const_ids, body.consts))
   role = {}
   for k, vid in enumerate(body.input_ids):
@@ -205,7 +213,7 @@ def scan_run(program: FlatProgram, op_index: int, stacked, num_params: int):
     elif k < first_xs:
       role[vid] = ("carry", k - num_consts)
     else:
-      role[vid] = ("layer", layer_of[k]) if k in layer_of else ("xs", k - first_xs)
+      role[vid] = layer_of.get(k, ("xs", k - first_xs))
 
   def source(a):
     if isinstance(a, jex.Literal):
@@ -217,24 +225,31 @@ def scan_run(program: FlatProgram, op_index: int, stacked, num_params: int):
   produced = [made.get(a) if isinstance(a, int) else None for a in body.output_ids]
   if None in produced:
     return None, "an iteration passes an input or a constant straight to an output"
+  ops = head + [dataclasses.replace(b, module=join_scope(op.module, b.module)) for b in body.ops]
   run = roll.Run(
     start=op_index,
-    block=len(body.ops),
+    block=len(ops),
     length=eqn.params["length"],
-    sources=tuple(tuple(source(a) for a in bop.inputs) for bop in body.ops),
+    sources=tuple(head_sources) + tuple(tuple(source(a) for a in b.inputs) for b in body.ops),
     consts=tuple(None if isinstance(a, jex.Literal) else a for a in op.inputs[:num_consts]),
     carry_in=tuple(op.inputs[num_consts:first_xs]),
     carry_out=tuple(produced[:num_carry]),
     outputs=tuple(op.outputs[:num_carry]),
     stacked=tuple(rows),
     xs=tuple(None if k in layer_of else op.inputs[k] for k in range(first_xs, len(op.inputs))),
-    body=dataclasses.replace(
-      body,
-      ops=tuple(dataclasses.replace(b, module=join_scope(op.module, b.module)) for b in body.ops),
-    ),
+    body=dataclasses.replace(body, ops=tuple(ops)),
     ys_out=tuple(produced[num_carry:]),
   )
   return run, ""
+
+
+def _per_layer(view, avals):
+  """A shape-keeping view op of a whole stack [L, ...], as applied to one layer [...]."""
+  layer = lambda v: jax.core.ShapedArray(avals[v].shape[1:], avals[v].dtype)  # noqa: E731
+  eqn = view.eqn.replace(
+    invars=[jex.Var(layer(view.inputs[0]))], outvars=[jex.Var(layer(view.outputs[0]))]
+  )
+  return dataclasses.replace(view, eqn=eqn)
 
 
 def loop_inputs(eqn) -> tuple[int, int]:
