@@ -133,6 +133,41 @@ def test_lax_scan_with_ys_xs_and_a_shared_weight_by_parts(n, variant):
   assert schedule.param("['attn']['w']").stacked and not schedule.param("['shared']").stacked
 
 
+def indexed_layers(num_layers=3, d=16, kind="fori"):
+  """Stacked weights of two modules read as W[i] (a scan const, i the layer): a fori_loop
+  counter, or the xs of jnp.arange in a reverse scan."""
+  k = jax.random.split(jax.random.key(6), 3)
+  params = {
+    "attn": {"w": jax.random.normal(k[0], (num_layers, d, d)) / np.sqrt(d)},
+    "mlp": {"w": jax.random.normal(k[1], (num_layers, d, d)) / np.sqrt(d)},
+  }
+
+  def layer(p, i, x):
+    h = jnp.tanh(x @ p["attn"]["w"][i])
+    return x + jnp.tanh(h @ p["mlp"]["w"][i])
+
+  def loss(p, x):
+    if kind == "fori":
+      x = jax.lax.fori_loop(0, num_layers, lambda i, x: layer(p, i, x), x)
+    else:
+      steps = jnp.arange(num_layers)
+      x = jax.lax.scan(lambda x, i: (layer(p, i, x), None), x, steps, reverse=True)[0]
+    return jnp.mean(x**2)
+
+  return loss, params, jax.random.normal(k[2], (8, d))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n, kind", [(8, "fori"), (4, "arange")])
+def test_weights_read_as_w_i_by_parts(n, kind):
+  loss, params, x = indexed_layers(kind=kind)
+  schedule, compiled = assert_parity(loss, params, x, n=n, config=zjax.ZeroConfig(**LEAN))
+  assert_exact(schedule, compiled)
+  assert schedule.param("['attn']['w']").stacked and schedule.param("['mlp']['w']").stacked
+  (loop,) = parted_loops(schedule)
+  assert len(loop.parts) == 2
+
+
 def assert_bfloat16_weight_parity(loss, params, batch, n):
   """Gradients against plain JAX data parallelism on one device: a bfloat16 weight cast up
   inside the program has its gradient rounded to bfloat16 on each device, before the

@@ -18,6 +18,7 @@ import dataclasses
 import jax
 import jax.extend.core as jex
 import numpy as np
+from jax import lax
 from jax._src.interpreters import partial_eval as pe  # JAX's own DCE (as segments.py)
 
 from zjax._src.program import roll
@@ -178,10 +179,10 @@ def scan_run(program: FlatProgram, op_index: int, stacked, num_params: int):
   """The scan op at `op_index`, whose stacked parameters are `stacked` (indices), as a
   roll.Run over its flattened body, so that its layer can be cut into parts as a rolled
   layer is (loop_parts.py) -> (run, "") or (None, why it cannot: then the loop gathers
-  whole layers). Each stacked xs input becomes a ("layer", p) source; a cast of the stack
-  before the scan becomes per-layer casts at the head of the body (weight views, as a
-  rolled layer's are). The direction is the executor's (a reverse scan visits the last
-  layer first)."""
+  whole layers). Each stacked xs input becomes a ("layer", p) source, and each W[i] of a
+  stacked const a reshape of that layer; a cast of the stack before the scan becomes
+  per-layer casts at the head of the body (weight views all, as a rolled layer's are).
+  The direction is the executor's (a reverse scan visits the last layer first)."""
   op = program.ops[op_index]
   eqn = op.eqn
   num_consts, num_carry = loop_inputs(eqn)
@@ -189,17 +190,20 @@ def scan_run(program: FlatProgram, op_index: int, stacked, num_params: int):
   views = param_views(program, num_params)
   chains = _view_ops(program, views, num_params)
   head, head_sources, layer_of, rows = [], [], {}, []
+  slice_of = {}  # a W[i] of a stacked const (its equation) -> the layer's source
   for i in sorted(stacked):
     for j in input_positions(op, i, views):
-      if j < first_xs:
-        return None, "a stacked weight is read as W[i] of a const"
       source = ("layer", len(rows))
       for view in chains[op.inputs[j]]:  # the stack's casts, one layer at a time
         head.append(_per_layer(view, program.avals))
         head_sources.append((source,))
         source = ("local", len(head) - 1, 0)
-      layer_of[j] = source
       rows.append((i,))
+      if j >= first_xs:
+        layer_of[j] = source
+        continue
+      for k in layer_slices(program, op, j) or ():  # (a const: read only as W[i])
+        slice_of[id(eqn.params["jaxpr"].jaxpr.eqns[k])] = source
   body = flatten_program(eqn.params["jaxpr"])
   made = {
     o: (len(head) + j, k) for j, bop in enumerate(body.ops) for k, o in enumerate(bop.outputs)
@@ -225,12 +229,20 @@ def scan_run(program: FlatProgram, op_index: int, stacked, num_params: int):
   produced = [made.get(a) if isinstance(a, int) else None for a in body.output_ids]
   if None in produced:
     return None, "an iteration passes an input or a constant straight to an output"
-  ops = head + [dataclasses.replace(b, module=join_scope(op.module, b.module)) for b in body.ops]
+  ops, op_sources = list(head), list(head_sources)
+  for b in body.ops:
+    if id(b.eqn) in slice_of:  # W[i]: the gathered layer, its sliced axis kept (a view)
+      ops.append(_expanded_layer(b))
+      op_sources.append((slice_of[id(b.eqn)],))
+    else:
+      ops.append(b)
+      op_sources.append(tuple(source(a) for a in b.inputs))
+  ops = [dataclasses.replace(b, module=join_scope(op.module, b.module)) for b in ops]
   run = roll.Run(
     start=op_index,
     block=len(ops),
     length=eqn.params["length"],
-    sources=tuple(head_sources) + tuple(tuple(source(a) for a in b.inputs) for b in body.ops),
+    sources=tuple(op_sources),
     consts=tuple(None if isinstance(a, jex.Literal) else a for a in op.inputs[:num_consts]),
     carry_in=tuple(op.inputs[num_consts:first_xs]),
     carry_out=tuple(produced[:num_carry]),
@@ -241,6 +253,15 @@ def scan_run(program: FlatProgram, op_index: int, stacked, num_params: int):
     ys_out=tuple(produced[num_carry:]),
   )
   return run, ""
+
+
+def _expanded_layer(op):
+  """A W[i] (`op`: a dynamic_slice of one row, [1, ...]) as a reshape of the gathered layer
+  [...] (a layout view of the weight, as the parts walker needs)."""
+  out = op.eqn.outvars[0].aval
+  layer = jax.ShapeDtypeStruct(out.shape[1:], out.dtype)
+  (reshape,) = jax.make_jaxpr(lambda w: lax.reshape(w, out.shape))(layer).eqns
+  return dataclasses.replace(op, eqn=reshape, inputs=(None,))
 
 
 def _per_layer(view, avals):
