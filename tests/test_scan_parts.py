@@ -75,12 +75,13 @@ def test_scanned_gpt_released_after_every_use_gathers_by_parts():
   assert not parted_loops(schedule)
 
 
-def scan_with_outputs(num_layers=3, d=16, reverse=False, cast=False):
+def scan_with_outputs(num_layers=3, d=16, reverse=False, cast=False, inputs_out=False):
   """A hand-written lax.scan with what nn.scan stacks rarely have: stacked outputs (ys),
   per-layer activations as xs (computed from a weight, so they need a gradient), a float xs
   without one, an integer carry, and a weight every iteration reads (a scan const); run
   in reverse, or with the attention weights stored in bfloat16 and cast to float32 before
-  the scan (mixed precision: a cast of the stack, applied per layer)."""
+  the scan (mixed precision: a cast of the stack, applied per layer), or stacking each
+  layer's input as a second ys (the carry passed straight to an output)."""
   k = jax.random.split(jax.random.key(3), 6)
   params = {
     "attn": {
@@ -106,11 +107,15 @@ def scan_with_outputs(num_layers=3, d=16, reverse=False, cast=False):
       w, bias, w2, scale, inp = xs
       h = jnp.tanh(x @ w + bias) * scale + inp
       x = x + h @ w2 + 0.1 * jnp.tanh(x @ p["shared"])
-      return (x, count + 1), jnp.mean(h * x, axis=-1)
+      y = jnp.mean(h * x, axis=-1)
+      return (x, count + 1), (y, carry[0]) if inputs_out else y
 
     attn_w = p["attn"]["w"].astype(jnp.float32)
     xs = (attn_w, p["attn"]["b"], p["mlp"]["w"], scales, inputs)
     (x, count), ys = jax.lax.scan(body, (b["x"], 0), xs, reverse=reverse)
+    if inputs_out:  # every layer's input
+      ys, layer_inputs = ys
+      x = x + jnp.mean(jnp.tanh(layer_inputs), axis=0)
     return jnp.mean(x**2) + jnp.mean(ys**2) + 0.0 * count
 
   return loss, params, batch
@@ -118,7 +123,8 @@ def scan_with_outputs(num_layers=3, d=16, reverse=False, cast=False):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-  "n, variant", [(8, {}), (4, {}), (8, {"reverse": True}), (4, {"cast": True})]
+  "n, variant",
+  [(8, {}), (4, {}), (8, {"reverse": True}), (4, {"cast": True}), (8, {"inputs_out": True})],
 )
 def test_lax_scan_with_ys_xs_and_a_shared_weight_by_parts(n, variant):
   loss, params, batch = scan_with_outputs(**variant)

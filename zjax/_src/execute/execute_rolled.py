@@ -159,8 +159,8 @@ class RolledLoop(Loop):
         self._gatherer(_read(shards, layer), "forward", kept),
         carry if carry else anchor,
       )
-      new_carry = [ctx[("local", j, o)] for j, o in self.run.carry_out]
-      y = [ctx[("local", j, o)] for j, o in self.run.ys_out]
+      outs = [ctx[key] for key in self.parts.out_keys]
+      new_carry, y = outs[: self.num_carry], outs[self.num_carry :]
       saved, ys = _write(saved, i, carry), _write(ys, layer, y)
       return (new_carry, saved, ys, _write(stacks, layer, kept)), None
 

@@ -120,7 +120,7 @@ class PartRunner:
   @property
   def out_keys(self) -> list:
     """The context keys an iteration outputs: its carries, then a scan's stacked ys."""
-    return [("local", j, o) for j, o in self.run.carry_out + self.run.ys_out]
+    return list(self.run.out_keys) or [("local", j, o) for j, o in self.run.carry_out]
 
   def _views(self) -> dict:
     views = {}
@@ -380,8 +380,16 @@ def _is_float(x) -> bool:
 
 # ---- analysis (the planner's; the executor checks edited bodies with it) --------------------
 def context_avals(runner) -> dict:
-  """Context key -> the value's shape and dtype, for every key the template reads."""
-  out = {}
+  """Context key -> the value's shape and dtype, for every key the template reads (and a
+  scan's inputs, which an iteration may pass straight to an output)."""
+  out, run = {}, runner.run
+  if run.body is not None:
+    counts = {"const": len(run.consts), "carry": len(run.carry_in), "xs": len(run.xs)}
+    start = 0
+    for kind, count in counts.items():
+      for k in range(count):
+        out[(kind, k)] = run.body.avals[run.body.input_ids[start + k]]
+      start += count
   for j, sources in enumerate(runner.run.sources):
     for q, src in enumerate(sources):
       key = runner.context_key(src)

@@ -23,7 +23,7 @@ from jax._src.interpreters import partial_eval as pe  # JAX's own DCE (as segmen
 
 from zjax._src.program import roll
 from zjax._src.program.program import FlatProgram, flatten_program, join_scope
-from zjax._src.program.trace import param_views
+from zjax._src.program.trace import LAYOUT_PRIMITIVES, param_views
 from zjax._src.schedule import ir
 
 # Views that keep the shape (and therefore the layer axis) of the parameter.
@@ -226,9 +226,6 @@ def scan_run(program: FlatProgram, op_index: int, stacked, num_params: int):
       return ("lit", body_consts[a])
     return ("local", *made[a]) if a in made else role[a]
 
-  produced = [made.get(a) if isinstance(a, int) else None for a in body.output_ids]
-  if None in produced:
-    return None, "an iteration passes an input or a constant straight to an output"
   ops, op_sources = list(head), list(head_sources)
   for b in body.ops:
     if id(b.eqn) in slice_of:  # W[i]: the gathered layer, its sliced axis kept (a view)
@@ -238,6 +235,13 @@ def scan_run(program: FlatProgram, op_index: int, stacked, num_params: int):
       ops.append(b)
       op_sources.append(tuple(source(a) for a in b.inputs))
   ops = [dataclasses.replace(b, module=join_scope(op.module, b.module)) for b in ops]
+  views = _weight_views(ops, op_sources)
+  outs = [None if isinstance(a, jex.Literal) else source(a) for a in body.output_ids]
+  if any(
+    key is None or key[0] not in ("local", "const", "carry", "xs") or key[1:] in views
+    for key in outs
+  ):
+    return None, "an iteration outputs a constant or a stacked weight (or a view of one)"
   run = roll.Run(
     start=op_index,
     block=len(ops),
@@ -245,14 +249,26 @@ def scan_run(program: FlatProgram, op_index: int, stacked, num_params: int):
     sources=tuple(op_sources),
     consts=tuple(None if isinstance(a, jex.Literal) else a for a in op.inputs[:num_consts]),
     carry_in=tuple(op.inputs[num_consts:first_xs]),
-    carry_out=tuple(produced[:num_carry]),
+    carry_out=(),
     outputs=tuple(op.outputs[:num_carry]),
     stacked=tuple(rows),
     xs=tuple(None if k in layer_of else op.inputs[k] for k in range(first_xs, len(op.inputs))),
     body=dataclasses.replace(body, ops=tuple(ops)),
-    ys_out=tuple(produced[num_carry:]),
+    out_keys=tuple(outs),
   )
   return run, ""
+
+
+def _weight_views(ops, sources) -> set:
+  """(op, output) of the layout ops that view a stacked weight (loop_parts.PartRunner
+  applies them to the gathered layer instead of computing them as values)."""
+  views = set()
+  for j, (op, srcs) in enumerate(zip(ops, sources)):
+    reads = [s for s in srcs if s[0] != "lit"]
+    if op.primitive in LAYOUT_PRIMITIVES and len(reads) == 1 and len(op.outputs) == 1:
+      if reads[0][0] == "layer" or (reads[0][0] == "local" and reads[0][1:] in views):
+        views.add((j, 0))
+  return views
 
 
 def _expanded_layer(op):

@@ -97,11 +97,13 @@ class Run:
   # sources extended by one start per dim (("xs", k) or ("lit", offset))
   dynamic_slices: tuple[int, ...] = ()
   # A scan's body as a run (loops.scan_run): the body flattened (its ops are the template,
-  # numbered from 0), each iteration's stacked outputs (template op, output), and `xs`
-  # holding the scan's xs value ids (None at a stacked parameter's position). None / ()
-  # for a run of the program's own ops.
+  # numbered from 0), each iteration's outputs (carries, then the stacked ys) as context
+  # keys (("local", op, output), or an input passed straight through, e.g. each layer's
+  # input stacked: ("const" | "carry" | "xs", k); carry_out is then empty), and `xs` holding
+  # the scan's xs value ids (None at a stacked parameter's position). None / () for a run
+  # of the program's own ops.
   body: FlatProgram | None = None
-  ys_out: tuple[tuple[int, int], ...] = ()
+  out_keys: tuple = ()
 
   @property
   def end(self) -> int:
