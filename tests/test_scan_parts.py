@@ -22,7 +22,7 @@ import zjax
 from helpers import assert_parity, assert_trees_close, reference, run_zjax
 from test_rolled_parts import assert_exact, largest_bucket, parted_loops
 from test_rolling import gpt
-from zjax._src.errors import ScheduleMismatchError
+from zjax._src.errors import ScheduleError, ScheduleMismatchError
 from zjax._src.schedule import ir
 from zjax._src.xla import hlo
 
@@ -236,3 +236,14 @@ def test_scan_parts_round_trip_and_a_cut_the_program_lacks_is_refused():
   mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices()[:4])
   with pytest.raises(ScheduleMismatchError, match="cuts its layer into parts at ops"):
     zjax.value_and_grad(loss, edited, mesh=mesh)(zjax.shard(params, edited, mesh), batch)
+
+
+def test_a_cap_below_the_largest_part_names_the_least_that_plans():
+  """A cap no part fits is refused with the least cap that plans (the largest part: one
+  module's weights), not the whole layer's (512 here), and the part's parameters."""
+  loss, params, x = indexed_layers()
+  config = zjax.ZeroConfig(param_persistence_threshold=0, max_live_parameters=255)
+  with pytest.raises(ScheduleError, match=r"needs 256 .*\['(attn|mlp)'\]\['w'\].*at least 256"):
+    zjax.compile_schedule(loss, params, x, num_devices=8, config=config)
+  config = dataclasses.replace(config, max_live_parameters=256)
+  assert parted_loops(zjax.compile_schedule(loss, params, x, num_devices=8, config=config))

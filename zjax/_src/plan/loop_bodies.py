@@ -12,9 +12,14 @@ from zjax._src.schedule import ir
 
 
 class DoNotRoll(Exception):
-  def __init__(self, rolling, run, reason):
+  """`need`: the smallest max_live_parameters its parts plan at (what is kept gathered
+  around the loop and its largest part, whose parameters `largest` names), where the cap
+  is what stops them."""
+
+  def __init__(self, rolling, run, reason, need=None, largest=""):
     super().__init__(reason)
-    self.rolling, self.run, self.reason = rolling, run, reason
+    self.rolling, self.run, self.reason, self.need = rolling, run, reason, need
+    self.largest = largest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +115,15 @@ def _rolled_body_steps(
   try:
     forward, backward = StepPlanner(parts, elements, flat, inner_config).plan()
   except ScheduleError as e:  # e.g. with what is kept around it, a part does not fit
-    raise DoNotRoll(rolling, run, f"not rolled: {names}: {e}; planned unrolled") from None
+    size = lambda part: sum(elements[b] for b in part.buckets)  # noqa: E731
+    largest = max(parts, key=size)
+    need = around + size(largest)
+    reason = f"not rolled: {names}: {e}; planned unrolled"
+    paths = ", ".join(p for b in largest.buckets for p in buckets[b].params)
+    raise DoNotRoll(
+      rolling, run, reason, need if need > config.max_live_parameters else None, paths
+    ) from None
+
   # every bucket gathered before the first part and none again in backward: the peak is one
   # whole layer either way, and the whole-layer loop may prefetch the next layer
   first_compute = next(k for k, st in enumerate(forward) if st.op == "compute")

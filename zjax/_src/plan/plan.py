@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zjax._src.config import ZeroConfig
+from zjax._src.errors import ScheduleError
 from zjax._src.layout import tensor_parallel
 from zjax._src.plan import tensor_comm
 from zjax._src.plan.loop_bodies import DoNotRoll, rolled_body, scan_unread
@@ -235,8 +236,15 @@ def _scan_bodies(
       body = rolled_body(
         trace, run, seg, buckets, elements, bucket_of, entries, config, rolling, find_unread=False
       )
-    except DoNotRoll:  # a part does not fit: the whole-layer plan says why
-      continue
+    except DoNotRoll as e:
+      if e.need is None:  # (the whole-layer plan says why)
+        continue
+      raise ScheduleError(
+        f"Segment {seg.id} ({seg.label or 'a scan'}) is a scan whose layer, gathered part "
+        f"by part, needs {e.need} parameter elements gathered at once (its largest part, "
+        f"{e.largest}, and what is kept gathered around the loop), above max_live_parameters="
+        f"{config.max_live_parameters}: raise max_live_parameters to at least {e.need}."
+      ) from None
     if body.parts:
       out[seg.id] = body
   return out
