@@ -19,12 +19,11 @@ import pytest
 
 import real_models
 import zjax
-from helpers import assert_parity, assert_trees_close, reference, run_zjax
-from test_rolled_parts import assert_exact, largest_bucket, parted_loops
+from helpers import assert_parity, reference, run_zjax
+from test_rolled_parts import assert_exact, assert_hpz_step_exact, largest_bucket, parted_loops
 from test_rolling import gpt
 from zjax._src.errors import ScheduleError, ScheduleMismatchError
 from zjax._src.schedule import ir
-from zjax._src.xla import hlo
 
 LEAN = dict(param_persistence_threshold=0, max_reuse_distance=0, prefetch_bucket_size=0)
 
@@ -207,18 +206,7 @@ def test_hpz_scan_by_parts():
   config = zjax.ZeroConfig(**LEAN, replicate_axes=("data",), secondary_partition=True)
   schedule = zjax.compile_schedule(case.loss_fn, case.params, case.batch, mesh=mesh, config=config)
   assert parted_loops(schedule)
-  step = zjax.value_and_grad(case.loss_fn, schedule, mesh=mesh)
-  sharded = zjax.shard(case.params, schedule, mesh)
-  loss, grads = step(sharded, case.batch)
-  ref_loss, ref_grads = reference(case.loss_fn, case.params, case.batch)
-  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-  assert_trees_close(zjax.unshard(grads, schedule), ref_grads)
-  compiled = hlo.compile_for_analysis(step.lower(sharded, case.batch))
-  assert_exact(schedule, compiled)
-  report, by_axis = schedule.report(), hlo.executed_by_axis(compiled.as_text(), dict(mesh.shape))
-  assert by_axis["all_gather"] == report["all_gather_bytes_by_axis"]
-  assert by_axis["reduce_scatter"] == report["reduce_scatter_bytes_by_axis"]
-  assert set(report["all_gather_bytes_by_axis"]) == {"data+fsdp", "fsdp"}
+  assert_hpz_step_exact(case, schedule, mesh, reference(case.loss_fn, case.params, case.batch))
 
 
 def test_scan_parts_round_trip_and_a_cut_the_program_lacks_is_refused():
