@@ -215,6 +215,7 @@ def test_scan_parts_round_trip_and_a_cut_the_program_lacks_is_refused():
     loss, params, batch, num_devices=4, config=zjax.ZeroConfig(**LEAN)
   )
   assert zjax.Schedule.from_json(schedule.to_json()) == schedule
+  assert "part 0 body ops [0," in str(schedule)  # zjax inspect: the scan body's op numbers
   data = json.loads(schedule.to_json())
   for phase in ("forward", "backward"):  # move the cut between the two parts by one op
     loop = next(st for st in data[phase] if st["op"] == ir.LOOP_OP)

@@ -91,9 +91,10 @@ def _loop_rows(s, sim, phase, i, step, live_after, end=""):
       format_bytes(live_after),
     )
   ]
+  scan = not any(s.buckets[b].layers for b in seg.buckets)  # its parts number body ops
   for j, inner in enumerate(step.body):
     row = (
-      _part_row(step, inner, phase)
+      _part_row(step, inner, phase, "body ops" if scan else "ops")
       if inner.part is not None
       else _step_row(s, sim, phase, j, inner, None)
     )
@@ -110,8 +111,9 @@ def _reduction_note(s, reduced: int) -> str:
   return f", then all-reduce of the persistent gradients done ({format_bytes(reduced)})"
 
 
-def _part_row(loop, step, phase):
-  """A compute step of a loop body cut into parts: forward, recomputed, or its vjp."""
+def _part_row(loop, step, phase, ops="ops"):
+  """A compute step of a loop body cut into parts: forward, recomputed, or its vjp (`ops`:
+  what its op numbers count: the program's, or a scan body's)."""
   part = loop.parts[step.part]
   op = {"recompute": "recompute", "compute": "compute" if phase == "fwd" else "compute_vjp"}
   return (
@@ -120,7 +122,7 @@ def _part_row(loop, step, phase):
     op[step.op],
     "",
     "",
-    f"part {part.id} ops [{part.start},{part.end}) {part.label}".rstrip(),
+    f"part {part.id} {ops} [{part.start},{part.end}) {part.label}".rstrip(),
     "",
     "",
   )
