@@ -38,19 +38,8 @@ class Loop:
   """One loop segment: its scan equation and how each of its inputs is provided."""
 
   def __init__(self, dp, segment: int, op, forward_step, backward_step):
-    self.dp, self.segment, self.op = dp, segment, op
-    self.inputs, self.outputs = list(op.inputs), list(op.outputs)
-    eqn = op.eqn
-    self.body_jaxpr = eqn.params["jaxpr"]
-    self.length, self.reverse = eqn.params["length"], eqn.params["reverse"]
-    self.num_consts, self.num_carry = eqn.params["num_consts"], eqn.params["num_carry"]
-    self.first_xs = self.num_consts + self.num_carry
-    self.read_steps(forward_step, backward_step)
-    stacked = {i for b in self.buckets for i in dp.members[b]}
-    self.stacked_inputs = {}  # input position -> (param index, shape-keeping layout ops)
-    for j, a in enumerate(op.inputs):
-      if isinstance(a, int) and a in dp.chains and dp.chains[a][0] in stacked:
-        self.stacked_inputs[j] = dp.chains[a]
+    self.read_scan(dp, segment, op, forward_step, backward_step)
+    self.body_jaxpr = op.eqn.params["jaxpr"]
     # stacked consts read as W[i]: body equation index -> input position
     self.layer_slices = {
       k: j
@@ -60,6 +49,21 @@ class Loop:
     }
     if set(self.regathered) != set(self.buckets):
       self._check_unread()
+
+  def read_scan(self, dp, segment, op, forward_step, backward_step):
+    """The scan op's inputs, outputs and trip count, the loop steps, and which inputs are
+    the stacked parameters (read one layer per iteration)."""
+    self.dp, self.segment, self.op = dp, segment, op
+    self.inputs, self.outputs = list(op.inputs), list(op.outputs)
+    self.length, self.reverse = op.eqn.params["length"], op.eqn.params["reverse"]
+    self.num_consts, self.num_carry = loops.loop_inputs(op.eqn)
+    self.first_xs = self.num_consts + self.num_carry
+    self.read_steps(forward_step, backward_step)
+    stacked = {i for b in self.buckets for i in dp.members[b]}
+    self.stacked_inputs = {}  # input position -> (param index, shape-keeping layout ops)
+    for j, a in enumerate(op.inputs):
+      if isinstance(a, int) and a in dp.chains and dp.chains[a][0] in stacked:
+        self.stacked_inputs[j] = dp.chains[a]
 
   def _check_unread(self):
     """A backward body that leaves stacked buckets out: only ones whose values the

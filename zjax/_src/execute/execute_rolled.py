@@ -311,12 +311,7 @@ class PartedScan(RolledLoop):
   stacked_param_cotangents = Loop.stacked_param_cotangents
 
   def __init__(self, dp, segment: int, op, forward_step, backward_step):
-    self.dp, self.segment, self.op = dp, segment, op
-    self.inputs, self.outputs = list(op.inputs), list(op.outputs)
-    self.length, self.reverse = op.eqn.params["length"], op.eqn.params["reverse"]
-    self.num_consts, self.num_carry = loops.loop_inputs(op.eqn)
-    self.first_xs = self.num_consts + self.num_carry
-    self.read_steps(forward_step, backward_step)
+    self.read_scan(dp, segment, op, forward_step, backward_step)
     stacked = {i for b in self.buckets for i in dp.members[b]}
     start = dp.s.segments[segment].start
     self.run, why = loops.scan_run(dp.program, start, stacked, len(dp.s.params))
@@ -325,11 +320,6 @@ class PartedScan(RolledLoop):
         f"Segment {segment}'s loop cuts its scan's layer into parts, but {why}. Recompile "
         f"the schedule."
       )
-    self.stacked_inputs = {  # input position -> (param index, layout ops): read per layer
-      j: dp.chains[a]
-      for j, a in enumerate(op.inputs)
-      if isinstance(a, int) and a in dp.chains and dp.chains[a][0] in stacked
-    }
     self.layer_slices = {}
     self.gathered = {p: rows[0] for p, rows in enumerate(self.run.stacked)}
     self.replicated = []

@@ -85,6 +85,25 @@ def differentiable_inputs(run, replicated, entries, needs_gradient) -> frozenset
   return frozenset(consts + stacks)
 
 
+def weight_views(template, sources, gathered) -> dict:
+  """(op, output) -> (stacked position, its layout ops from the gathered layer) for each
+  template op that views a gathered weight (`gathered`: those positions): a reshape /
+  transpose / cast chain with one input, which the parts apply where they read it, as
+  segments apply views, so that saved residuals never hold a weight's copy."""
+  views = {}
+  for j, (op, srcs) in enumerate(zip(template, sources)):
+    reads = [s for s in srcs if s[0] != "lit"]
+    if op.primitive not in LAYOUT_PRIMITIVES or len(reads) != 1 or len(op.outputs) != 1:
+      continue
+    src = reads[0]
+    if src[0] == "layer" and src[1] in gathered:
+      views[(j, 0)] = (src[1], (op,))
+    elif src[0] == "local" and (src[1], src[2]) in views:
+      base, chain = views[(src[1], src[2])]
+      views[(j, 0)] = (base, chain + (op,))
+  return views
+
+
 class PartRunner:
   """Runs the template's parts on one iteration's values (concrete or abstract).
 
@@ -113,7 +132,7 @@ class PartRunner:
     self.differentiable = differentiable
     self.gathered, self.replicated, self.members = gathered, replicated, members
     self.trained, self.weight_avals = trained, weight_avals
-    self.views = self._views()  # (j, o) -> (base position, layout ops from it)
+    self.views = weight_views(template, run.sources, gathered)
     self.bucket_of = {q: bucket_of[i] for q, i in gathered.items()}
     self.parts = [self._io(a, b) for a, b in self._cut()]
 
@@ -122,31 +141,16 @@ class PartRunner:
     """The context keys an iteration outputs: its carries, then a scan's stacked ys."""
     return list(self.run.out_keys) or [("local", j, o) for j, o in self.run.carry_out]
 
-  def _views(self) -> dict:
-    views = {}
-    for j, sources in enumerate(self.run.sources):
-      op = self.template[j]
-      reads = [s for s in sources if s[0] != "lit"]
-      if op.primitive not in LAYOUT_PRIMITIVES or len(reads) != 1 or len(op.outputs) != 1:
-        continue
-      key = self.weight_key(reads[0], views)
-      if key is not None:
-        base, chain = self.base_of(key, views)
-        views[(j, 0)] = (base, chain + (op,))
-    return views
-
-  def weight_key(self, src, views=None):
+  def weight_key(self, src):
     """("layer", q) or ("view", j, o) if the input is a gathered weight or a view of one."""
-    views = self.views if views is None else views
     if src[0] == "layer" and src[1] in self.gathered:
       return ("layer", src[1])
-    if src[0] == "local" and (src[1], src[2]) in views:
+    if src[0] == "local" and (src[1], src[2]) in self.views:
       return ("view", src[1], src[2])
     return None
 
-  def base_of(self, key, views=None):
-    views = self.views if views is None else views
-    return (key[1], ()) if key[0] == "layer" else views[(key[1], key[2])]
+  def base_of(self, key):
+    return (key[1], ()) if key[0] == "layer" else self.views[(key[1], key[2])]
 
   def _is_view_op(self, j) -> bool:
     return (j, 0) in self.views

@@ -21,9 +21,9 @@ import numpy as np
 from jax import lax
 from jax._src.interpreters import partial_eval as pe  # JAX's own DCE (as segments.py)
 
-from zjax._src.program import roll
+from zjax._src.program import loop_parts, roll
 from zjax._src.program.program import FlatProgram, flatten_program, join_scope
-from zjax._src.program.trace import LAYOUT_PRIMITIVES, param_views
+from zjax._src.program.trace import param_views
 from zjax._src.schedule import ir
 
 # Views that keep the shape (and therefore the layer axis) of the parameter.
@@ -235,10 +235,10 @@ def scan_run(program: FlatProgram, op_index: int, stacked, num_params: int):
       ops.append(b)
       op_sources.append(tuple(source(a) for a in b.inputs))
   ops = [dataclasses.replace(b, module=join_scope(op.module, b.module)) for b in ops]
-  views = _weight_views(ops, op_sources)
+  weight_views = loop_parts.weight_views(ops, op_sources, range(len(rows)))
   outs = [None if isinstance(a, jex.Literal) else source(a) for a in body.output_ids]
   if any(
-    key is None or key[0] not in ("local", "const", "carry", "xs") or key[1:] in views
+    key is None or key[0] not in ("local", "const", "carry", "xs") or key[1:] in weight_views
     for key in outs
   ):
     return None, "an iteration outputs a constant or a stacked weight (or a view of one)"
@@ -257,18 +257,6 @@ def scan_run(program: FlatProgram, op_index: int, stacked, num_params: int):
     out_keys=tuple(outs),
   )
   return run, ""
-
-
-def _weight_views(ops, sources) -> set:
-  """(op, output) of the layout ops that view a stacked weight (loop_parts.PartRunner
-  applies them to the gathered layer instead of computing them as values)."""
-  views = set()
-  for j, (op, srcs) in enumerate(zip(ops, sources)):
-    reads = [s for s in srcs if s[0] != "lit"]
-    if op.primitive in LAYOUT_PRIMITIVES and len(reads) == 1 and len(op.outputs) == 1:
-      if reads[0][0] == "layer" or (reads[0][0] == "local" and reads[0][1:] in views):
-        views.add((j, 0))
-  return views
 
 
 def _expanded_layer(op):
