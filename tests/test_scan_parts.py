@@ -236,3 +236,30 @@ def test_a_cap_below_the_largest_part_names_the_least_that_plans():
     zjax.compile_schedule(loss, params, x, num_devices=8, config=config)
   config = dataclasses.replace(config, max_live_parameters=256)
   assert parted_loops(zjax.compile_schedule(loss, params, x, num_devices=8, config=config))
+
+
+def scan_outputting_a_constant_or_its_weight(kind, num_layers=3, d=16):
+  """A scan whose iteration outputs a constant or a view of its stacked weight as a ys: the
+  body does not read as a run (loops.scan_run), so the executor runs Loop's whole-layer
+  recipe, the one loop it does not walk (execute_rolled.scan_loop)."""
+  k = jax.random.split(jax.random.key(7), 2)
+  params = {"w": jax.random.normal(k[0], (num_layers, d, d)) / np.sqrt(d)}
+
+  def loss(p, x):
+    def body(x, w):
+      return jnp.tanh(x @ w), (jnp.float32(1.0) if kind == "constant" else w.T)
+
+    x, ys = jax.lax.scan(body, x, p["w"])
+    return jnp.mean(x**2) + 0.1 * jnp.mean(ys**2)
+
+  return loss, params, jax.random.normal(k[1], (8, d))
+
+
+@pytest.mark.parametrize("n, kind", [(8, "constant"), (4, "view")])
+def test_a_scan_that_outputs_a_constant_or_its_weight_runs_whole_layers(n, kind):
+  loss, params, x = scan_outputting_a_constant_or_its_weight(kind)
+  config = zjax.ZeroConfig(param_persistence_threshold=0)
+  schedule, compiled = assert_parity(loss, params, x, n=n, config=config)
+  assert_exact(schedule, compiled)
+  (loop,) = [st for st in schedule.forward if st.op == ir.LOOP_OP]
+  assert not loop.parts and loop.length == 3

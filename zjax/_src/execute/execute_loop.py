@@ -1,5 +1,8 @@
-"""Running a loop step: a scan over layers whose stacked parameters are gathered one layer
-per iteration (plan.py decides which; ir.py describes the loop step).
+"""Running a whole-layer scan whose body does not read as a run (loops.scan_run: an
+iteration outputs a constant or a stacked weight as it is); every other loop walks its body
+(execute_rolled.py), and its scan-op plumbing (`read_scan`, inputs and cotangents) is this
+class's. A scan over layers whose stacked parameters are gathered one layer per iteration
+(plan.py decides which; ir.py describes the loop step).
 
 Forward is a `lax.scan` whose body all-gathers the current layer's slice of every stacked
 bucket (or, with prefetch, the *next* layer's, carried into the next iteration; the first

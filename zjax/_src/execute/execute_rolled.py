@@ -1,16 +1,20 @@
-"""Running a rolled run of identical layers (roll.py) as a loop step, and any loop whose
-layer is cut into parts.
+"""Running a loop step by walking its body (loop_parts.py): a rolled run of identical
+layers (roll.py), and every scan whose body reads as a run (loops.scan_run).
 
-The machinery is the scan loop's (execute_loop.py): one layer's gathers, compute and
-reduce-scatters per iteration, backward recomputing each iteration from its saved carry.
-What differs is where the loop's pieces come from: the body is the first layer's ops with
-their inputs rewired (roll.Run.sources), and each per-layer parameter's layers are read from
-its stack in the sharded layout (ParamEntry.stack), which the schedule must give in the
-run's layer order.
+Each iteration walks the body's steps: gather a bucket of this layer, compute a part,
+release; backward recomputes the layer part by part under `jax.vjp` from the iteration's
+saved carry, applies the parts' vjps in reverse (re-gathering where the body says) and
+reduce-scatters each bucket's layer gradient into its row of the stacked shard. A loop that
+gathers its whole layer at once is a one-part body; where it prefetches, each iteration
+gathers the next one's buckets (the first before the loop, the last iteration after it, so
+exactly one gather per layer runs).
 
-A loop whose body the schedule cuts into parts walks the body's steps (loop_parts.py): a
-rolled run's, or a scan's (`PartedScan`: its body as a run, loops.scan_run; its inputs,
-outputs and stacked shards are the scan op's, as for a whole-layer scan).
+A rolled run's body is the first layer's ops with their inputs rewired (roll.Run.sources),
+and each per-layer parameter's layers are read from its stack in the sharded layout
+(ParamEntry.stack), which the schedule must give in the run's layer order. A scan's
+(`PartedScan`) inputs, outputs and stacked shards are the scan op's. A scan whose body does
+not read as a run (an iteration that outputs a constant or a stacked weight as it is) runs
+Loop's whole-layer recipe (execute_loop.py).
 """
 
 import jax.numpy as jnp
@@ -19,7 +23,7 @@ from jax import lax
 from zjax._src.errors import ScheduleMismatchError
 from zjax._src.execute.execute_loop import Loop, _is_float, _read, _write
 from zjax._src.program import loop_parts, loops, roll
-from zjax._src.program import segments as seg_lib
+from zjax._src.schedule import ir
 from zjax._src.train import offload
 
 
@@ -48,9 +52,9 @@ class RolledLoop(Loop):
     self.replicated = [p for p in range(len(run.stacked)) if p not in self.gathered]
     self.inputs = list(run.consts) + list(run.carry_in)
     self.outputs = list(run.outputs)
-    self.parts = forward_step.parts and self._parts(forward_step, backward_step)
-    if not self.parts and set(self.regathered) != set(self.buckets):
-      self._check_unread(backward_step)
+    self.parts = (
+      self._parts(forward_step, backward_step) if forward_step.parts else self._whole_layer()
+    )
 
   def read_steps(self, forward_step, backward_step):
     super().read_steps(forward_step, backward_step)
@@ -58,25 +62,52 @@ class RolledLoop(Loop):
       self.buckets = sorted({st.bucket for st in forward_step.body if st.op == "gather"})
       self.prefetch = {"forward": False, "backward": False}
       self.bodies = {"forward": forward_step.body, "backward": backward_step.body}
+    else:
+      self.bodies = self._whole_layer_bodies()
+    # buckets each iteration gathers for the next (a whole-layer loop's prefetch; a body
+    # cut into parts prefetches inside the iteration only)
+    self.ahead = {
+      phase: [st.bucket for st in body if st.op == "gather" and st.prefetch]
+      if not forward_step.parts
+      else []
+      for phase, body in self.bodies.items()
+    }
 
-  def _runner(self) -> loop_parts.PartRunner:
+  def _whole_layer_bodies(self) -> dict:
+    """A whole-layer loop step's bodies as one-part bodies: every bucket gathered (in the
+    previous iteration where the step prefetches), the layer computed (backward:
+    recomputed under vjp, then its vjp applied), the trained buckets reduce-scattered."""
+    fwd, bwd = self.prefetch["forward"], self.prefetch["backward"]
+    return {
+      "forward": [ir.Step("gather", bucket=b, prefetch=fwd) for b in self.buckets]
+      + [ir.Step("compute", part=0)]
+      + [ir.Step("release", bucket=b) for b in self.buckets],
+      "backward": [ir.Step("gather", bucket=b, prefetch=bwd) for b in self.regathered]
+      + [ir.Step(ir.RECOMPUTE_OP, part=0), ir.Step("compute", part=0)]
+      + [ir.Step("reduce_scatter", bucket=b) for b in self.buckets if b in self.scattered],
+    }
+
+  def _runner(self, whole=False) -> loop_parts.PartRunner:
     members = {b: self.dp.members[b] for b in self.buckets}
     bucket_of = {i: b for b, ids in members.items() for i in ids}
-    return loop_parts.part_runner(self.dp.program, self.run, members, self.dp.s.params, bucket_of)
-
-  def _check_unread(self, backward_step):
-    """A whole-layer backward body that leaves buckets out: only ones whose values the
-    iteration's backward does not use (else the recompute would read zeros)."""
-    runner = self._runner()
-    _, missing = loop_parts.unused_gathers(
-      runner, loop_parts.whole_layer_backward(runner, self.regathered)
+    return loop_parts.part_runner(
+      self.dp.program, self.run, members, self.dp.s.params, bucket_of, whole
     )
+
+  def _whole_layer(self) -> loop_parts.PartRunner:
+    """The layer as one part; refused if the backward body leaves out a bucket whose values
+    the iteration's backward uses (the recompute would read zeros)."""
+    runner = self._runner(whole=True)
+    if set(self.regathered) == set(self.buckets):
+      return runner
+    _, missing = loop_parts.unused_gathers(runner, self.bodies["backward"])
     if missing:
       path = self.dp.s.params[runner.gathered[sorted(missing)[0][2]]].path
       raise ScheduleMismatchError(
         f"Segment {self.segment}'s backward loop body does not re-gather {path}, but the "
         f"backward iteration reads it. Add its bucket's gather (or recompile the schedule)."
       )
+    return runner
 
   def _parts(self, forward_step, backward_step) -> loop_parts.PartRunner:
     """The layer's parts as the schedule cuts them; refused if this program cuts them
@@ -136,10 +167,8 @@ class RolledLoop(Loop):
       if ct is not None
     ]
 
-  # ---- a layer cut into parts (loop_parts.py) ------------------------------------------
+  # ---- the iterations: the body's steps walked (loop_parts.py) ----------------------------
   def forward(self, shards: dict, inputs: list, anchor):
-    if not self.parts:
-      return super().forward(shards, inputs, anchor)
     consts, carry, xs = self._split(inputs)
     saved = [jnp.zeros((self.length,) + jnp.shape(c), jnp.result_type(c)) for c in carry]
     ys = [  # a scan's stacked outputs (a rolled run has none)
@@ -147,39 +176,48 @@ class RolledLoop(Loop):
       for o in self.outputs[self.num_carry :]
     ]
     stacks = self.secondary_stacks(shards)  # hpZ: every layer's secondary shards
+    body = self.bodies["forward"]
 
-    def step(state, i):
+    def ahead(i, tie, state):  # iteration i's prefetched buckets; hpZ: their secondaries
+      carry, saved, ys, stacks = state
+      layer = self.layer(i)
+      ready, kept = self._prefetched(_read(shards, layer), tie, "forward")
+      return ready, (carry, saved, ys, _write_some(stacks, layer, kept))
+
+    def iteration(i, ready, state):
       carry, saved, ys, stacks = state
       layer = self.layer(i)  # (a reverse scan visits the last layer first)
       ctx, kept = self._context(consts, carry, _read(xs, layer)), {}
+      gather = self._gatherer(_read(shards, layer), "forward", kept)
       loop_parts.walk_forward(
-        self.parts,
-        self.bodies["forward"],
-        ctx,
-        self._gatherer(_read(shards, layer), "forward", kept),
-        carry if carry else anchor,
+        self.parts, body, ctx, _or_ready(ready, gather), carry if carry else anchor
       )
       outs = [ctx[key] for key in self.parts.out_keys]
       new_carry, y = outs[: self.num_carry], outs[self.num_carry :]
       saved, ys = _write(saved, i, carry), _write(ys, layer, y)
-      return (new_carry, saved, ys, _write(stacks, layer, kept)), None
+      return new_carry, saved, ys, _write_some(stacks, layer, kept)
 
-    (carry, saved, ys, stacks), _ = lax.scan(
-      step, (carry, saved, ys, stacks), jnp.arange(self.length)
+    first_tie = anchor if anchor is not None else carry
+    carry, saved, ys, stacks = self._iterate(
+      iteration, ahead, (carry, saved, ys, stacks), first_tie, "forward"
     )
     return carry + ys, (consts, saved, xs, stacks)
 
   def backward(self, shards: dict, residuals, ct_outs: list, anchor):
-    if not self.parts:
-      return super().backward(shards, residuals, ct_outs, anchor)
     consts, saved, xs, stacks = residuals
     keys = self.parts.out_keys  # the carries', then a scan's ys
     ct_ys = ct_outs[self.num_carry :]
     ct_consts = [jnp.zeros_like(c) if _is_float(c) else None for c in consts]
     ct_xs = [jnp.zeros_like(x) if _is_float(x) else None for x in xs]
     grads = {i: jnp.zeros(shards[i].shape, self.dp.reduce_dtype(i)) for i in self.trained}
+    body = self.bodies["backward"]
 
-    def step(state, i):
+    def ahead(i, tie, state):  # iteration i's prefetched buckets (hpZ: from its secondaries)
+      layer = self.layer(i)
+      ready, _ = self._prefetched(_read(shards, layer), tie, "backward", _read(stacks, layer))
+      return ready, state
+
+    def iteration(i, ready, state):
       ct_carry, ct_consts, ct_xs, grads = state
       layer = self.layer(i)
       carry, x = _read(saved, i), _read(xs, layer)
@@ -196,10 +234,10 @@ class RolledLoop(Loop):
 
       cts = loop_parts.walk_backward(
         self.parts,
-        self.bodies["backward"],
+        body,
         ctx,
         cts,
-        gather,
+        _or_ready(ready, gather),
         scatter,
         next(iter(cts.values()), anchor),
       )
@@ -212,14 +250,46 @@ class RolledLoop(Loop):
         a if a is None else lax.dynamic_update_index_in_dim(a, c.astype(a.dtype), layer, 0)
         for a, c in zip(ct_xs, ct_x)
       ]
-      return (ct_carry, ct_consts, ct_xs, _write(grads, layer, chunks)), None
+      return ct_carry, ct_consts, ct_xs, _write(grads, layer, chunks)
 
     ct_carry = [c if _is_float(c) else None for c in ct_outs[: self.num_carry]]
-    state = (ct_carry, ct_consts, ct_xs, grads)
-    (ct_carry, ct_consts, ct_xs, grads), _ = lax.scan(
-      step, state, jnp.arange(self.length), reverse=True
+    first_tie = anchor if anchor is not None else ct_carry
+    ct_carry, ct_consts, ct_xs, grads = self._iterate(
+      iteration, ahead, (ct_carry, ct_consts, ct_xs, grads), first_tie, "backward"
     )
     return list(ct_consts) + list(ct_carry) + list(ct_xs), grads
+
+  def _iterate(self, iteration, ahead, state, first_tie, phase: str):
+    """The loop over the layers (backward: from the last iteration), as a `lax.scan` of
+    iteration(i, ready, state) -> state. Where the loop prefetches (`self.ahead`), each
+    iteration first gathers the next one's (ahead(i, tie, state) -> (ready, state), tied to the
+    iteration's first state value: its carry or cotangent); the first iteration's are
+    gathered before the loop and the last iteration runs after it, so exactly one gather
+    per layer runs."""
+    n, backward = self.length, phase == "backward"
+    if not self.ahead[phase]:
+      step = lambda state, i: (iteration(i, {}, state), None)  # noqa: E731
+      return lax.scan(step, state, jnp.arange(n), reverse=backward)[0]
+    first, last, next_of = (n - 1, 0, -1) if backward else (0, n - 1, 1)
+
+    def step(carried, i):
+      ready, state = carried
+      upcoming, state = ahead(i + next_of, state[0], state)
+      return (upcoming, iteration(i, ready, state)), None
+
+    ready, state = ahead(first, first_tie, state)
+    indices = jnp.arange(1, n) if backward else jnp.arange(n - 1)
+    (ready, state), _ = lax.scan(step, (ready, state), indices, reverse=backward)
+    return iteration(last, ready, state)
+
+  def _prefetched(self, rows: dict, tie, phase: str, secondaries=None):
+    """-> (bucket -> {param index: this layer's value} of the buckets the previous
+    iteration gathers, bucket -> the layer's hpZ secondary kept), under one barrier tied to
+    `tie`."""
+    buckets = self.ahead[phase]
+    layers, kept = self.gather_layer(rows, tie, phase, secondaries, buckets)
+    ready = {b: {i: layers[i] for i in self.dp.members[b]} for b in buckets}
+    return ready, kept
 
   def _gatherer(self, rows: dict, phase: str, secondaries: dict):
     """gather(bucket, tie) -> the layer's values of the bucket, for one iteration of a
@@ -247,52 +317,22 @@ class RolledLoop(Loop):
 
     return gather
 
-  def _differentiated(self, values, first) -> list[bool]:
-    """Which consts (`first` 0) or xs (`first` first_xs: per-layer values, then the
-    persistent per-layer parameters) the backward differentiates: floats among
-    loop_parts.differentiable_inputs."""
-    kind = "const" if first == 0 else "xs"
-    keys = loop_parts.differentiable_inputs(
-      self.run, self.replicated, self.dp.s.params, self.dp.needs_gradient
-    )
-    return [_is_float(v) and (kind, k) in keys for k, v in enumerate(values)]
-
   def _context(self, consts, carry, x) -> dict:
     ctx = {("const", k): v for k, v in enumerate(consts)}
     ctx.update((("carry", k), v) for k, v in enumerate(carry))
     ctx.update((("xs", k), v) for k, v in enumerate(x))
     return ctx
 
-  def body(self, layers: dict, inputs: list):
-    """The first layer's ops on this iteration's values -> (carry out, no ys)."""
-    consts = inputs[: self.num_consts]
-    carry = inputs[self.num_consts : self.first_xs]
-    xs = inputs[self.first_xs :]
-    values = []
-    for op, sources in zip(self.template, self.run.sources):
-      args = [self._read(src, layers, consts, carry, xs, values) for src in sources]
-      values.append(seg_lib.apply_op(op, args))
-    return [values[j][o] for j, o in self.run.carry_out], []
 
-  def _read(self, src, layers, consts, carry, xs, values):
-    kind, where = src[0], src[1]
-    if kind == "lit":
-      return where
-    if kind == "local":
-      return values[where][src[2]]
-    if kind == "const":
-      return consts[where]
-    if kind == "carry":
-      return carry[where]
-    if kind == "xs":
-      return xs[where]
-    if where in self.gathered:  # "layer": this layer's parameter
-      i = self.gathered[where]
-      if i not in layers:  # not re-gathered in backward: unread (the planner's analysis)
-        entry = self.dp.s.params[i]
-        return jnp.zeros(entry.layer_shape, self.dp.compute_dtype(i))
-      return layers[i]
-    return xs[len(self.run.xs) + self.replicated.index(where)]
+def _or_ready(ready: dict, gather):
+  """gather(bucket, tie), answered from `ready` for a bucket prefetched by the previous
+  iteration."""
+  return lambda b, tie: ready[b] if b in ready else gather(b, tie)
+
+
+def _write_some(stacks: dict, index, rows: dict) -> dict:
+  """`stacks` with row `index` of those in `rows` replaced."""
+  return {**stacks, **_write({b: stacks[b] for b in rows}, index, rows)}
 
 
 def _ct(cts, key, like):
@@ -300,28 +340,39 @@ def _ct(cts, key, like):
   return cts[key].astype(jnp.result_type(like)) if key in cts else jnp.zeros_like(like)
 
 
+def scan_loop(dp, segment: int, op, forward_step, backward_step) -> Loop:
+  """A scan's loop: its body walked as a run (loops.scan_run), part by part or as one
+  whole-layer part; Loop's whole-layer recipe where the body does not read as a run (an
+  iteration that outputs a constant or a stacked weight)."""
+  stacked = {i for st in forward_step.body if st.op == "gather" for i in dp.members[st.bucket]}
+  start = dp.s.segments[segment].start
+  run, why = loops.scan_run(dp.program, start, stacked, len(dp.s.params))
+  if run is not None:
+    return PartedScan(dp, segment, op, run, forward_step, backward_step)
+  if forward_step.parts:
+    raise ScheduleMismatchError(
+      f"Segment {segment}'s loop cuts its scan's layer into parts, but {why}. Recompile "
+      f"the schedule."
+    )
+  return Loop(dp, segment, op, forward_step, backward_step)
+
+
 class PartedScan(RolledLoop):
-  """A scan whose layer the schedule cuts into parts: its body as a run (loops.scan_run)
-  walked part by part; its inputs, outputs, stacked shards and their cotangents are the
-  scan op's, as a whole-layer scan's (Loop) are."""
+  """A scan walked as a run (loops.scan_run), whole layer or part by part; its inputs,
+  outputs, stacked shards and their cotangents are the scan op's, as Loop's are."""
 
   input_values = Loop.input_values
   stacked_shards = Loop.stacked_shards
   input_cotangents = Loop.input_cotangents
   stacked_param_cotangents = Loop.stacked_param_cotangents
 
-  def __init__(self, dp, segment: int, op, forward_step, backward_step):
+  def __init__(self, dp, segment: int, op, run, forward_step, backward_step):
     self.read_scan(dp, segment, op, forward_step, backward_step)
-    stacked = {i for b in self.buckets for i in dp.members[b]}
-    start = dp.s.segments[segment].start
-    self.run, why = loops.scan_run(dp.program, start, stacked, len(dp.s.params))
-    if self.run is None:
-      raise ScheduleMismatchError(
-        f"Segment {segment}'s loop cuts its scan's layer into parts, but {why}. Recompile "
-        f"the schedule."
-      )
+    self.run = run
     self.layer_slices = {}
     self.gathered = {p: rows[0] for p, rows in enumerate(self.run.stacked)}
     self.replicated = []
     self.template = roll.template_ops(dp.program, self.run)
-    self.parts = self._parts(forward_step, backward_step)
+    self.parts = (
+      self._parts(forward_step, backward_step) if forward_step.parts else self._whole_layer()
+    )

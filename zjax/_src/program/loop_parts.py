@@ -40,10 +40,11 @@ class PartIO:
   weights: tuple  # weight keys it reads (PartRunner)
 
 
-def part_runner(program, run, members, entries, bucket_of) -> "PartRunner":
+def part_runner(program, run, members, entries, bucket_of, whole=False) -> "PartRunner":
   """The PartRunner of a rolled run (shared by the planner and the executor): members[b]
   are bucket b's layer-0 parameter indices, bucket_of maps a layer-0 parameter to its
-  bucket, entries are the parameters (persistent ones are not gathered)."""
+  bucket, entries are the parameters (persistent ones are not gathered); `whole`: the
+  layer as one part (a loop that gathers its whole layer at once)."""
   template = roll.template_ops(program, run)
   sharded = {
     p: layers[0] for p, layers in enumerate(run.stacked) if not entries[layers[0]].persistent
@@ -66,6 +67,7 @@ def part_runner(program, run, members, entries, bucket_of) -> "PartRunner":
     trained,
     avals,
     differentiable_inputs(run, replicated, entries, needs),
+    whole,
   )
 
 
@@ -122,19 +124,22 @@ class PartRunner:
     trained: set,
     weight_avals: dict,
     differentiable: frozenset,
+    whole: bool = False,
   ):
     """gathered: stacked position -> layer-0 parameter index (gathered per iteration);
     replicated: positions read whole from the xs (persistent); members: bucket -> its
     layer-0 parameter indices; trained: parameter indices that get a gradient;
     weight_avals: position -> the weight's shape and dtype (as gathered); differentiable:
-    the const and xs context keys that get a cotangent (`differentiable_inputs`)."""
+    the const and xs context keys that get a cotangent (`differentiable_inputs`); whole:
+    one part, the whole layer."""
     self.run, self.template = run, template
     self.differentiable = differentiable
     self.gathered, self.replicated, self.members = gathered, replicated, members
     self.trained, self.weight_avals = trained, weight_avals
     self.views = weight_views(template, run.sources, gathered)
     self.bucket_of = {q: bucket_of[i] for q, i in gathered.items()}
-    self.parts = [self._io(a, b) for a, b in self._cut()]
+    cuts = [(0, len(run.sources))] if whole else self._cut()
+    self.parts = [self._io(a, b) for a, b in cuts]
 
   @property
   def out_keys(self) -> list:
