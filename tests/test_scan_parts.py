@@ -239,27 +239,30 @@ def test_a_cap_below_the_largest_part_names_the_least_that_plans():
 
 
 def scan_outputting_a_constant_or_its_weight(kind, num_layers=3, d=16):
-  """A scan whose iteration outputs a constant or a view of its stacked weight as a ys: the
-  body does not read as a run (loops.scan_run), so the executor runs Loop's whole-layer
-  recipe, the one loop it does not walk (execute_rolled.scan_loop)."""
-  k = jax.random.split(jax.random.key(7), 2)
-  params = {"w": jax.random.normal(k[0], (num_layers, d, d)) / np.sqrt(d)}
+  """A scan of two modules whose iteration outputs a constant or a view of its second
+  weight as a ys, as it is (loops.scan_run makes it by an op of the body, which the walker
+  runs; before, such a body could not be cut into parts)."""
+  k = jax.random.split(jax.random.key(7), 3)
+  params = {n: jax.random.normal(k[i], (num_layers, d, d)) / np.sqrt(d) for i, n in enumerate("ab")}
 
   def loss(p, x):
     def body(x, w):
-      return jnp.tanh(x @ w), (jnp.float32(1.0) if kind == "constant" else w.T)
+      x = x + jnp.tanh(jnp.tanh(x @ w["a"]) @ w["b"])
+      return x, (jnp.float32(1.0) if kind == "constant" else w["b"].T)
 
-    x, ys = jax.lax.scan(body, x, p["w"])
+    x, ys = jax.lax.scan(body, x, p)
     return jnp.mean(x**2) + 0.1 * jnp.mean(ys**2)
 
-  return loss, params, jax.random.normal(k[1], (8, d))
+  return loss, params, jax.random.normal(k[2], (8, d))
 
 
-@pytest.mark.parametrize("n, kind", [(8, "constant"), (4, "view")])
-def test_a_scan_that_outputs_a_constant_or_its_weight_runs_whole_layers(n, kind):
+@pytest.mark.parametrize(
+  "n, kind, knobs", [(8, "constant", {}), (4, "view", {}), (8, "view", LEAN), (4, "constant", LEAN)]
+)
+def test_a_scan_that_outputs_a_constant_or_its_weight(n, kind, knobs):
   loss, params, x = scan_outputting_a_constant_or_its_weight(kind)
-  config = zjax.ZeroConfig(param_persistence_threshold=0)
+  config = zjax.ZeroConfig(**{"param_persistence_threshold": 0, **knobs})
   schedule, compiled = assert_parity(loss, params, x, n=n, config=config)
   assert_exact(schedule, compiled)
   (loop,) = [st for st in schedule.forward if st.op == ir.LOOP_OP]
-  assert not loop.parts and loop.length == 3
+  assert len(loop.parts) == (2 if knobs else 0) and loop.length == 3

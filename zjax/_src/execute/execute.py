@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from zjax._src.errors import ScheduleMismatchError, ZjaxError
 from zjax._src.execute import bucket_comm
-from zjax._src.execute.execute_rolled import RolledLoop, scan_loop
+from zjax._src.execute.execute_rolled import RolledLoop, ScanLoop
 from zjax._src.layout import layout
 from zjax._src.program import roll
 from zjax._src.program import segments as seg_lib
@@ -209,7 +209,7 @@ class _DeviceProgram:
     k = forward_step.segment
     seg = self.s.segments[k]
     if not any(self.s.buckets[b].layers for b in seg.buckets):  # a scan
-      return scan_loop(self, k, self.segments[k].ops[0], forward_step, backward_step)
+      return ScanLoop(self, k, self.segments[k].ops[0], forward_step, backward_step)
     length = forward_step.length
     facts = roll.param_facts(self.s.params, None, None)
     try:

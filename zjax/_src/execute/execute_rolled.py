@@ -1,5 +1,5 @@
 """Running a loop step by walking its body (loop_parts.py): a rolled run of identical
-layers (roll.py), and every scan whose body reads as a run (loops.scan_run).
+layers (roll.py), or a scan (its body as a run: loops.scan_run).
 
 Each iteration walks the body's steps: gather a bucket of this layer, compute a part,
 release; backward recomputes the layer part by part under `jax.vjp` from the iteration's
@@ -12,9 +12,7 @@ exactly one gather per layer runs).
 A rolled run's body is the first layer's ops with their inputs rewired (roll.Run.sources),
 and each per-layer parameter's layers are read from its stack in the sharded layout
 (ParamEntry.stack), which the schedule must give in the run's layer order. A scan's
-(`PartedScan`) inputs, outputs and stacked shards are the scan op's. A scan whose body does
-not read as a run (an iteration that outputs a constant or a stacked weight as it is) runs
-Loop's whole-layer recipe (execute_loop.py).
+(`ScanLoop`) inputs, outputs and stacked shards are the scan op's.
 """
 
 import jax.numpy as jnp
@@ -34,7 +32,7 @@ class RolledLoop(Loop):
     self.num_consts, self.num_carry = len(run.consts), len(run.carry_in)
     self.first_xs = self.num_consts + self.num_carry
     self.read_steps(forward_step, backward_step)
-    self.stacked_inputs, self.layer_slices = {}, {}
+    self.stacked_inputs = {}
     self.template = roll.template_ops(dp.program, run)
     for layers in run.stacked:
       stored = dp.s.storage[dp.storage_of[layers[0]]].members
@@ -340,36 +338,20 @@ def _ct(cts, key, like):
   return cts[key].astype(jnp.result_type(like)) if key in cts else jnp.zeros_like(like)
 
 
-def scan_loop(dp, segment: int, op, forward_step, backward_step) -> Loop:
-  """A scan's loop: its body walked as a run (loops.scan_run), part by part or as one
-  whole-layer part; Loop's whole-layer recipe where the body does not read as a run (an
-  iteration that outputs a constant or a stacked weight)."""
-  stacked = {i for st in forward_step.body if st.op == "gather" for i in dp.members[st.bucket]}
-  start = dp.s.segments[segment].start
-  run, why = loops.scan_run(dp.program, start, stacked, len(dp.s.params))
-  if run is not None:
-    return PartedScan(dp, segment, op, run, forward_step, backward_step)
-  if forward_step.parts:
-    raise ScheduleMismatchError(
-      f"Segment {segment}'s loop cuts its scan's layer into parts, but {why}. Recompile "
-      f"the schedule."
-    )
-  return Loop(dp, segment, op, forward_step, backward_step)
-
-
-class PartedScan(RolledLoop):
+class ScanLoop(RolledLoop):
   """A scan walked as a run (loops.scan_run), whole layer or part by part; its inputs,
-  outputs, stacked shards and their cotangents are the scan op's, as Loop's are."""
+  outputs, stacked shards and their cotangents are the scan op's (Loop's)."""
 
   input_values = Loop.input_values
   stacked_shards = Loop.stacked_shards
   input_cotangents = Loop.input_cotangents
   stacked_param_cotangents = Loop.stacked_param_cotangents
 
-  def __init__(self, dp, segment: int, op, run, forward_step, backward_step):
+  def __init__(self, dp, segment: int, op, forward_step, backward_step):
     self.read_scan(dp, segment, op, forward_step, backward_step)
-    self.run = run
-    self.layer_slices = {}
+    stacked = {i for b in self.buckets for i in dp.members[b]}
+    start = dp.s.segments[segment].start
+    self.run = loops.scan_run(dp.program, start, stacked, len(dp.s.params))
     self.gathered = {p: rows[0] for p, rows in enumerate(self.run.stacked)}
     self.replicated = []
     self.template = roll.template_ops(dp.program, self.run)

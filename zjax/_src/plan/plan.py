@@ -229,9 +229,9 @@ def _scan_bodies(
   out = {}
   for seg in segments:
     members = {i for i, op in stacked.items() if op == seg.start}
-    run = members and loops.scan_run(trace.program, seg.start, members, len(trace.params))[0]
-    if not run:
+    if not members:
       continue
+    run = loops.scan_run(trace.program, seg.start, members, len(trace.params))
     try:
       body = rolled_body(
         trace, run, seg, buckets, elements, bucket_of, entries, config, rolling, find_unread=False

@@ -22,7 +22,7 @@ from jax import lax
 from jax._src.interpreters import partial_eval as pe  # JAX's own DCE (as segments.py)
 
 from zjax._src.program import loop_parts, roll
-from zjax._src.program.program import FlatProgram, flatten_program, join_scope
+from zjax._src.program.program import FlatOp, FlatProgram, flatten_program, join_scope
 from zjax._src.program.trace import param_views
 from zjax._src.schedule import ir
 
@@ -177,12 +177,12 @@ def _view_ops(program, views, num_params) -> dict[int, tuple]:
 
 def scan_run(program: FlatProgram, op_index: int, stacked, num_params: int):
   """The scan op at `op_index`, whose stacked parameters are `stacked` (indices), as a
-  roll.Run over its flattened body, so that its layer can be cut into parts as a rolled
-  layer is (loop_parts.py) -> (run, "") or (None, why it cannot: then the loop gathers
-  whole layers). Each stacked xs input becomes a ("layer", p) source, and each W[i] of a
-  stacked const a reshape of that layer; a cast of the stack before the scan becomes
-  per-layer casts at the head of the body (weight views all, as a rolled layer's are).
-  The direction is the executor's (a reverse scan visits the last layer first)."""
+  roll.Run over its flattened body, so that its layer can be walked (loop_parts.py: whole
+  or cut into parts) as a rolled layer is. Each stacked xs input becomes a ("layer", p)
+  source, and each W[i] of a stacked const a reshape of that layer; a cast of the stack
+  before the scan becomes per-layer casts at the head of the body (weight views all, as a
+  rolled layer's are); a constant or a weight that an iteration outputs as it is, an op
+  of its own. The direction is the executor's (a reverse scan visits the last layer first)."""
   op = program.ops[op_index]
   eqn = op.eqn
   num_consts, num_carry = loop_inputs(eqn)
@@ -236,13 +236,19 @@ def scan_run(program: FlatProgram, op_index: int, stacked, num_params: int):
       op_sources.append(tuple(source(a) for a in b.inputs))
   ops = [dataclasses.replace(b, module=join_scope(op.module, b.module)) for b in ops]
   weight_views = loop_parts.weight_views(ops, op_sources, range(len(rows)))
-  outs = [None if isinstance(a, jex.Literal) else source(a) for a in body.output_ids]
-  if any(
-    key is None or key[0] not in ("local", "const", "carry", "xs") or key[1:] in weight_views
-    for key in outs
-  ):
-    return None, "an iteration outputs a constant or a stacked weight (or a view of one)"
-  run = roll.Run(
+  outs = []
+  for a in body.output_ids:
+    key = ("lit", a.val) if isinstance(a, jex.Literal) else source(a)
+    if key[0] not in ("local", "const", "carry", "xs") or key[1:] in weight_views:
+      # a constant or a stacked weight (or a view of one) output as it is: an op of the
+      # body makes it (a view is applied where a part reads it, never kept)
+      aval = a.aval if isinstance(a, jex.Literal) else body.avals[a]
+      copy, one = _identity(aval, op.module)
+      ops.append(copy)
+      op_sources.append((key, ("lit", one)))
+      key = ("local", len(ops) - 1, 0)
+    outs.append(key)
+  return roll.Run(
     start=op_index,
     block=len(ops),
     length=eqn.params["length"],
@@ -256,7 +262,14 @@ def scan_run(program: FlatProgram, op_index: int, stacked, num_params: int):
     body=dataclasses.replace(body, ops=tuple(ops)),
     out_keys=tuple(outs),
   )
-  return run, ""
+
+
+def _identity(aval, module):
+  """(an op x -> x * 1 (bool: x & True), the ones it reads): what an iteration outputs
+  made by an op of its own."""
+  spec = jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+  (eqn,) = jax.make_jaxpr(lax.bitwise_and if aval.dtype == bool else lax.mul)(spec, spec).eqns
+  return FlatOp(eqn, (None, None), (None,), module), np.ones(aval.shape, aval.dtype)
 
 
 def _expanded_layer(op):
