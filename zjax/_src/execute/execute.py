@@ -408,7 +408,7 @@ class _State:
     if outs:
       self.anchor = outs[-1]
 
-  # ---- loops (see execute_loop.py) ------------------------------------------------------
+  # ---- loops (see execute_loop.py, execute_rolled.py) -----------------------------------
   def input_value(self, atom):
     if isinstance(atom, jex.Literal):
       return jnp.asarray(atom.val)

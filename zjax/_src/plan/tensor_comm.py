@@ -186,7 +186,7 @@ class _Walk:
 def _scan_backward_signatures(eqn, differentiated) -> set:
   """The op signatures (loop_parts.op_signature) that one backward iteration of a scan
   executes: the loop's backward recomputes the iteration from its saved carry, as far as
-  the body's vjp (in the float inputs `differentiated` marks, as execute_loop.py takes
+  the body's vjp (in the float inputs `differentiated` marks, as execute_rolled.py takes
   it) needs it (JAX's dead-code elimination)."""
   floats = [
     ir.is_float(v.aval.dtype) and d
