@@ -46,7 +46,11 @@ class Loop:
     """What the loop steps say: the stacked buckets, prefetch, which are reduce-scattered."""
     self.buckets = [st.bucket for st in forward_step.body if st.op == "gather"]
     self.regathered = [st.bucket for st in backward_step.body if st.op == "gather"]
-    self.prefetch = {"forward": _prefetches(forward_step), "backward": _prefetches(backward_step)}
+    # buckets each iteration gathers for the next one (a whole-layer step's prefetch)
+    self.ahead = {
+      "forward": self.buckets if _prefetches(forward_step) else [],
+      "backward": self.regathered if _prefetches(backward_step) else [],
+    }
     self.scattered = {st.bucket for st in backward_step.body if st.op == "reduce_scatter"}
     # hpZ: buckets whose per-layer secondary shards forward keeps for backward's re-gathers
     self.secondary = [st.bucket for st in forward_step.body if st.op == "keep_secondary"]

@@ -58,29 +58,21 @@ class RolledLoop(Loop):
     super().read_steps(forward_step, backward_step)
     if forward_step.parts:  # gathers inside the iteration, none ahead of it
       self.buckets = sorted({st.bucket for st in forward_step.body if st.op == "gather"})
-      self.prefetch = {"forward": False, "backward": False}
+      self.ahead = {"forward": [], "backward": []}
       self.bodies = {"forward": forward_step.body, "backward": backward_step.body}
     else:
       self.bodies = self._whole_layer_bodies()
-    # buckets each iteration gathers for the next (a whole-layer loop's prefetch; a body
-    # cut into parts prefetches inside the iteration only)
-    self.ahead = {
-      phase: [st.bucket for st in body if st.op == "gather" and st.prefetch]
-      if not forward_step.parts
-      else []
-      for phase, body in self.bodies.items()
-    }
 
   def _whole_layer_bodies(self) -> dict:
     """A whole-layer loop step's bodies as one-part bodies: every bucket gathered (in the
     previous iteration where the step prefetches), the layer computed (backward:
     recomputed under vjp, then its vjp applied), the trained buckets reduce-scattered."""
-    fwd, bwd = self.prefetch["forward"], self.prefetch["backward"]
+    fwd, bwd = (set(self.ahead[phase]) for phase in ("forward", "backward"))
     return {
-      "forward": [ir.Step("gather", bucket=b, prefetch=fwd) for b in self.buckets]
+      "forward": [ir.Step("gather", bucket=b, prefetch=b in fwd) for b in self.buckets]
       + [ir.Step("compute", part=0)]
       + [ir.Step("release", bucket=b) for b in self.buckets],
-      "backward": [ir.Step("gather", bucket=b, prefetch=bwd) for b in self.regathered]
+      "backward": [ir.Step("gather", bucket=b, prefetch=b in bwd) for b in self.regathered]
       + [ir.Step(ir.RECOMPUTE_OP, part=0), ir.Step("compute", part=0)]
       + [ir.Step("reduce_scatter", bucket=b) for b in self.buckets if b in self.scattered],
     }
