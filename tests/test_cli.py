@@ -26,7 +26,7 @@ def test_inspect_prints_tables_and_report(capsys):
   code, out, _ = run(capsys, "inspect", GPT, "--devices", "8")
   assert code == 0
   assert "['params']['embed']['embedding']" in out and "reused x2" in out  # use table
-  assert "zjax schedule v2: 8 device(s)" in out and "reduce_scatter" in out  # schedule
+  assert "zjax schedule v3: 8 device(s)" in out and "reduce_scatter" in out  # schedule
   assert "all_gather_count" in out and "trace + plan:" in out  # report
 
 

@@ -97,7 +97,7 @@ def readme_namespace(tmp_path_factory):
 
 @pytest.mark.slow
 def test_readme_example_runs(readme_namespace):
-  assert "zjax schedule v2: 8 device(s)" in readme_namespace["_printed"]
+  assert "zjax schedule v3: 8 device(s)" in readme_namespace["_printed"]
   assert int(readme_namespace["state"].step) == 3
   assert int(readme_namespace["state_half"].step) == 3
   assert readme_namespace["exported"]["params"]

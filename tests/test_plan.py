@@ -378,7 +378,7 @@ def test_planning_is_analytic_for_many_devices():
 def test_str_is_a_reviewable_table():
   text = str(plan(prefetch_bucket_size=KERNEL, max_reuse_distance=0))
   lines = text.splitlines()
-  assert lines[0].startswith("zjax schedule v2: 8 device(s)")
+  assert lines[0].startswith("zjax schedule v3: 8 device(s)")
   assert lines[1].split() == ["step", "phase", "op", "bucket", "what", "bytes", "live", "after"]
   for word in (
     "gather (prefetch)",

@@ -1,10 +1,13 @@
 """Schedule as data: JSON round trip, files, fingerprints, and rejection of illegal edits."""
 
+import dataclasses
 import json
+import pathlib
 import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import zjax
@@ -56,7 +59,7 @@ def test_json_round_trip_is_textually_equal(schedule):
 def test_json_is_versioned_and_diff_friendly(schedule):
   text = schedule.to_json()
   data = json.loads(text)
-  assert data["format"] == "zjax-schedule" and data["version"] == 2
+  assert data["format"] == "zjax-schedule" and data["version"] == 3
   assert len(data["fingerprint"]) == 64
   # one step per line: a moved gather is a one-line diff
   assert text.count('{"op": ') == len(schedule.forward) + len(schedule.backward)
@@ -329,3 +332,103 @@ def test_quantized_steps_in_the_file_follow_the_config():
   report = quantized.report()
   assert report["all_to_all_count"] == 3 and report["reduce_scatter_count"] == 0  # 3 layers
   assert report["quantization"]["reduce"]["dtype"] == "int4"
+
+
+# ---- version 2: whole-layer loop bodies -----------------------------------------------------
+
+V2_FILES = pathlib.Path(__file__).parent / "data" / "schedules_v2"
+
+
+def _v2_cases() -> dict:
+  """Each file under tests/data/schedules_v2 and how it was made (by zjax at d847ee1, format
+  version 2, whose whole-layer loop bodies compute their segment without parts)."""
+  from test_loops import scan_stack, scans_with_integer_leaves
+
+  hpz = dict(replicate_axes=("data",), secondary_partition=True)
+  mesh_2x4 = lambda: jax.make_mesh((2, 4), ("data", "fsdp"))  # noqa: E731
+  config = zjax.ZeroConfig
+  return {
+    "scan_prefetch.json": lambda: zjax.compile_schedule(
+      *scan_stack(), num_devices=8, config=config(param_persistence_threshold=100)
+    ),
+    "scan_unread.json": lambda: zjax.compile_schedule(
+      *scans_with_integer_leaves(), num_devices=8, config=config(param_persistence_threshold=0)
+    ),
+    "scan_hpz.json": lambda: zjax.compile_schedule(
+      *scan_stack(), mesh=mesh_2x4(), config=config(param_persistence_threshold=100, **hpz)
+    ),
+    "rolled_no_prefetch.json": lambda: zjax.compile_schedule(
+      *model(4),
+      num_devices=4,
+      config=config(param_persistence_threshold=D, prefetch_bucket_size=0),
+    ),
+    "rolled_hpz.json": lambda: zjax.compile_schedule(
+      *model(4), mesh=mesh_2x4(), config=config(param_persistence_threshold=D, **hpz)
+    ),
+  }
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in V2_FILES.glob("*.json")))
+def test_version_2_loops_load_as_the_one_part_bodies_planned_now(name):
+  """A version-2 whole-layer loop body (gathers, compute, reduce-scatters, releases; its
+  gathers prefetching the next layer or none) reads as the one-part body this version
+  plans: the same schedule as planning the model now, the same report. The files cover
+  scans and rolled layers, with and without prefetch, hpZ, and a bucket backward leaves
+  out (an integer leaf it does not read)."""
+  text = (V2_FILES / name).read_text()
+  assert json.loads(text)["version"] == 2
+  old = zjax.Schedule.from_json(text, source=name)
+  now = _v2_cases()[name]()
+  assert old == now and old.report() == now.report()
+  loops = [st for st in old.forward + old.backward if st.op == "loop"]
+  assert loops and all(not st.parts for st in loops)
+  bodies = [[(x.op, x.part) for x in st.body if x.part is not None] for st in loops]
+  assert bodies[: len(bodies) // 2] == [[("compute", 0)]] * (len(bodies) // 2)
+  assert bodies[len(bodies) // 2 :] == [[("recompute", 0), ("compute", 0)]] * (len(bodies) // 2)
+
+
+def test_a_version_2_scan_runs_as_planned_now():
+  """The loaded version-2 scan runs: gradients equal plain JAX's (fp32, rtol 1e-5)."""
+  from test_loops import scan_stack
+
+  loss, params, batch = scan_stack()
+  old = zjax.Schedule.load(V2_FILES / "scan_prefetch.json")
+  mesh = jax.make_mesh((8,), ("fsdp",))
+  value, grads = zjax.value_and_grad(loss, old, mesh=mesh)(zjax.shard(params, old, mesh), batch)
+  want_value, want = jax.value_and_grad(loss)(params, batch)
+  got = zjax.unshard(grads, old)
+  assert jnp.allclose(value, want_value, rtol=1e-5)
+  for path, g in jax.tree_util.tree_leaves_with_path(want):
+    np.testing.assert_allclose(
+      np.asarray(_at(got, path)), np.asarray(g), rtol=1e-5, atol=1e-6, err_msg=str(path)
+    )
+
+
+def _at(tree, path):
+  for key in path:
+    tree = tree[key.key]
+  return tree
+
+
+def test_ahead_gathers_are_checked():
+  """A gather issued one iteration ahead must open its bucket's use in the body, before any
+  compute, and only loop bodies have them; the next layer counts against the cap."""
+  s = _v2_cases()["scan_prefetch.json"]()
+  loop_at = next(i for i, st in enumerate(s.forward) if st.op == "loop")
+
+  def late(data):
+    body = data["forward"][loop_at]["body"]
+    body.insert(len(body), body.pop(0))  # the first gather after the compute
+
+  with pytest.raises(zjax.ScheduleError, match="must be its bucket's first gather"):
+    zjax.Schedule.from_json(edited(s, late))
+
+  def outside(data):
+    data["forward"][0]["ahead"] = True
+
+  with pytest.raises(zjax.ScheduleError, match="only a gather in a loop body"):
+    zjax.Schedule.from_json(edited(s, outside))
+  layer = s.report()["peak_live_param_bytes"] // 4  # two layers live: the cap fits one
+  capped = dataclasses.replace(s.config, max_live_parameters=layer * 3 // 4)
+  with pytest.raises(zjax.ScheduleError, match="gathering the next layer ahead"):
+    zjax.Schedule.from_json(edited(s, lambda d: d["config"].update(capped.to_dict())))

@@ -43,13 +43,14 @@ class Loop:
         self.stacked_inputs[j] = dp.chains[a]
 
   def read_steps(self, forward_step, backward_step):
-    """What the loop steps say: the stacked buckets, prefetch, which are reduce-scattered."""
-    self.buckets = [st.bucket for st in forward_step.body if st.op == "gather"]
-    self.regathered = [st.bucket for st in backward_step.body if st.op == "gather"]
-    # buckets each iteration gathers for the next one (a whole-layer step's prefetch)
+    """What the loop steps say: their bodies, the stacked buckets, those each iteration
+    gathers for the next one, which are reduce-scattered."""
+    self.bodies = {"forward": forward_step.body, "backward": backward_step.body}
+    self.buckets = _gathered(forward_step.body)
+    self.regathered = _gathered(backward_step.body)
     self.ahead = {
-      "forward": self.buckets if _prefetches(forward_step) else [],
-      "backward": self.regathered if _prefetches(backward_step) else [],
+      phase: [st.bucket for st in body if st.op == "gather" and st.ahead]
+      for phase, body in self.bodies.items()
     }
     self.scattered = {st.bucket for st in backward_step.body if st.op == "reduce_scatter"}
     # hpZ: buckets whose per-layer secondary shards forward keeps for backward's re-gathers
@@ -171,8 +172,9 @@ class Loop:
     return self.length - 1 - i if self.reverse else i
 
 
-def _prefetches(step) -> bool:
-  return any(st.prefetch for st in step.body if st.op == "gather")
+def _gathered(body) -> list:
+  """The buckets a loop body gathers, each once, in id order."""
+  return sorted({st.bucket for st in body if st.op == "gather"})
 
 
 def _read(tree, index):

@@ -4,10 +4,10 @@ layers (roll.py), or a scan (its body as a run: loops.scan_run).
 Each iteration walks the body's steps: gather a bucket of this layer, compute a part,
 release; backward recomputes the layer part by part under `jax.vjp` from the iteration's
 saved carry, applies the parts' vjps in reverse (re-gathering where the body says) and
-reduce-scatters each bucket's layer gradient into its row of the stacked shard. A loop that
-gathers its whole layer at once is a one-part body; where it prefetches, each iteration
-gathers the next one's buckets (the first before the loop, the last iteration after it, so
-exactly one gather per layer runs).
+reduce-scatters each bucket's layer gradient into its row of the stacked shard. A body
+without parts is one part, the whole layer. A gather the body issues ahead (ir.Step.ahead)
+runs in the previous iteration, for the next layer (the first layer's before the loop, the
+last iteration after it, so exactly one gather per layer runs).
 
 A rolled run's body is the first layer's ops with their inputs rewired (roll.Run.sources),
 and each per-layer parameter's layers are read from its stack in the sharded layout
@@ -21,7 +21,6 @@ from jax import lax
 from zjax._src.errors import ScheduleMismatchError
 from zjax._src.execute.execute_loop import Loop, _is_float, _read, _write
 from zjax._src.program import loop_parts, loops, roll
-from zjax._src.schedule import ir
 from zjax._src.train import offload
 
 
@@ -53,29 +52,6 @@ class RolledLoop(Loop):
     self.parts = (
       self._parts(forward_step, backward_step) if forward_step.parts else self._whole_layer()
     )
-
-  def read_steps(self, forward_step, backward_step):
-    super().read_steps(forward_step, backward_step)
-    if forward_step.parts:  # gathers inside the iteration, none ahead of it
-      self.buckets = sorted({st.bucket for st in forward_step.body if st.op == "gather"})
-      self.ahead = {"forward": [], "backward": []}
-      self.bodies = {"forward": forward_step.body, "backward": backward_step.body}
-    else:
-      self.bodies = self._whole_layer_bodies()
-
-  def _whole_layer_bodies(self) -> dict:
-    """A whole-layer loop step's bodies as one-part bodies: every bucket gathered (in the
-    previous iteration where the step prefetches), the layer computed (backward:
-    recomputed under vjp, then its vjp applied), the trained buckets reduce-scattered."""
-    fwd, bwd = (set(self.ahead[phase]) for phase in ("forward", "backward"))
-    return {
-      "forward": [ir.Step("gather", bucket=b, prefetch=b in fwd) for b in self.buckets]
-      + [ir.Step("compute", part=0)]
-      + [ir.Step("release", bucket=b) for b in self.buckets],
-      "backward": [ir.Step("gather", bucket=b, prefetch=b in bwd) for b in self.regathered]
-      + [ir.Step(ir.RECOMPUTE_OP, part=0), ir.Step("compute", part=0)]
-      + [ir.Step("reduce_scatter", bucket=b) for b in self.buckets if b in self.scattered],
-    }
 
   def _runner(self, whole=False) -> loop_parts.PartRunner:
     members = {b: self.dp.members[b] for b in self.buckets}
@@ -315,9 +291,10 @@ class RolledLoop(Loop):
 
 
 def _or_ready(ready: dict, gather):
-  """gather(bucket, tie), answered from `ready` for a bucket prefetched by the previous
-  iteration."""
-  return lambda b, tie: ready[b] if b in ready else gather(b, tie)
+  """gather(bucket, tie), whose first call for a bucket the previous iteration gathered
+  ahead is answered from `ready`."""
+  waiting = dict(ready)
+  return lambda b, tie: waiting.pop(b) if b in waiting else gather(b, tie)
 
 
 def _write_some(stacks: dict, index, rows: dict) -> dict:

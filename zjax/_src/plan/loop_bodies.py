@@ -1,13 +1,13 @@
-"""A rolled run's body: its layer planned part by part by the step planner's rules
-(plan.py's docstring, step 5), or a reason it is planned unrolled (DoNotRoll).
+"""A loop's body (a rolled run's or a scan's): its layer planned part by part by the step
+planner's rules (plan.py's docstring, step 5), or as one part, the whole layer; or a
+reason a rolled run is planned unrolled (DoNotRoll).
 """
 
 import dataclasses
 
 from zjax._src.errors import ScheduleError
 from zjax._src.plan.steps import StepPlanner
-from zjax._src.program import loop_parts, loops, roll
-from zjax._src.program.trace import param_views
+from zjax._src.program import loop_parts, roll
 from zjax._src.schedule import ir
 
 
@@ -23,16 +23,15 @@ class DoNotRoll(Exception):
 
 
 @dataclasses.dataclass(frozen=True)
-class _RolledBody:
-  """A rolled loop's per-iteration steps when its layer is cut into parts."""
+class LoopBody:
+  """A loop's per-iteration steps (ir.py, "loop bodies"): its layer cut into parts, or as
+  one part, the whole layer (`parts` empty), which the step planner may gather one
+  iteration ahead."""
 
-  parts: tuple  # ir.Segment per part
+  parts: tuple  # ir.Segment per part; () for one part, the whole layer
   forward: tuple  # body steps
   backward: tuple
   need: int  # peak gathered elements inside an iteration
-  # a whole-layer loop (no parts): buckets without gradient whose values its backward
-  # iteration does not use (an integer leaf's): not re-gathered (XLA would delete them)
-  unread: frozenset = frozenset()
   # under tensor parallelism: signatures of the matmuls and gathers its backward iteration
   # executes (loop_parts.backward_op_signatures), for the tensor axis's estimate
   backward_ops: frozenset = frozenset()
@@ -49,33 +48,30 @@ def rolled_body(
   config,
   rolling,
   tensor_parallel=False,
-  find_unread=True,
+  whole=False,
 ):
   """The run's layer planned part by part, as the unrolled planner plans segments (the same
   knobs; what the segments around the loop keep gathered through it counts against
-  max_live_parameters). Without parts when one whole layer gathered at once is what that
-  plan says (the loop gathers it as one, prefetching the next layer where the knobs allow).
-  Raises DoNotRoll where the run cannot keep the knobs (the unrolled plan decides).
-  `tensor_parallel`: also find what the backward iteration executes (_RolledBody);
-  `find_unread`: a whole-layer body's unread buckets (a scan's come from loops.py)."""
-  body = _rolled_body_steps(
-    trace, run, seg, buckets, elements, bucket_of, entries, config, rolling, find_unread
-  )
+  max_live_parameters); as one part where one whole layer gathered at once is what that
+  plan says (or `whole`). Raises DoNotRoll where the run cannot keep the knobs (the
+  unrolled plan decides). `tensor_parallel`: also find what the backward iteration
+  executes (LoopBody.backward_ops)."""
+  runner, stacked = _runner(trace, run, seg, buckets, bucket_of, entries)
+  body = None
+  if not whole:
+    body = _parted_body(trace, run, runner, seg, stacked, buckets, elements, config, rolling)
+  if body is None:
+    runner, _ = _runner(trace, run, seg, buckets, bucket_of, entries, whole=True)
+    body = _whole_body(runner, seg, stacked, buckets, elements, config)
   if not tensor_parallel:
     return body
-  runner, stacked = _runner(trace, run, seg, buckets, bucket_of, entries)
-  backward = (
-    body.backward
-    if body.parts
-    else loop_parts.whole_layer_backward(runner, [b for b in stacked if b not in body.unread])
-  )
-  return dataclasses.replace(
-    body, backward_ops=frozenset(loop_parts.backward_op_signatures(runner, list(backward)))
-  )
+  signatures = loop_parts.backward_op_signatures(runner, list(body.backward))
+  return dataclasses.replace(body, backward_ops=frozenset(signatures))
 
 
-def _runner(trace, run, seg, buckets, bucket_of, entries):
-  """The run's loop_parts.PartRunner, and the loop segment's stacked buckets."""
+def _runner(trace, run, seg, buckets, bucket_of, entries, whole=False):
+  """The run's loop_parts.PartRunner (`whole`: one part), and the loop segment's stacked
+  buckets."""
   stacked = [b for b in seg.buckets if buckets[b].stacked]
   members = {
     b: [
@@ -85,14 +81,15 @@ def _runner(trace, run, seg, buckets, bucket_of, entries):
     ]
     for b in stacked
   }
-  return loop_parts.part_runner(trace.program, run, members, entries, bucket_of), stacked
+  runner = loop_parts.part_runner(trace.program, run, members, entries, bucket_of, whole)
+  return runner, stacked
 
 
-def _rolled_body_steps(
-  trace, run, seg, buckets, elements, bucket_of, entries, config, rolling, find_unread=True
-):
-  runner, stacked = _runner(trace, run, seg, buckets, bucket_of, entries)
-  position_bucket = {q: bucket_of[i] for q, i in runner.gathered.items()}
+def _parted_body(trace, run, runner, seg, stacked, buckets, elements, config, rolling):
+  """The layer cut into parts and planned by the step planner, or None where that plan
+  gathers every bucket before the first part and none again in backward (the peak is one
+  whole layer either way, and one part may be gathered an iteration ahead)."""
+  position_bucket = runner.bucket_of  # gathered position -> its bucket
   parts = tuple(
     ir.Segment(
       id=p,
@@ -123,15 +120,9 @@ def _rolled_body_steps(
     raise DoNotRoll(
       rolling, run, reason, need if need > config.max_live_parameters else None, paths
     ) from None
-
-  # every bucket gathered before the first part and none again in backward: the peak is one
-  # whole layer either way, and the whole-layer loop may prefetch the next layer
   first_compute = next(k for k, st in enumerate(forward) if st.op == "compute")
   if not any(st.op == "gather" for st in forward[first_compute:] + backward):
-    unread = frozenset()  # hpZ: each layer's secondary is dropped
-    if find_unread and not config.secondary_partition:
-      unread = _unread_in_backward(runner, stacked, buckets)
-    return _RolledBody((), (), (), 0, unread)
+    return None
   kept = [b for b in stacked if not any(st.op == "release" and st.bucket == b for st in forward)]
   as_part = lambda st, op=None: (
     dataclasses.replace(  # noqa: E731
@@ -150,7 +141,32 @@ def _rolled_body_steps(
   if config.secondary_partition:
     forward_body, backward_body = _with_secondaries(forward_body, backward_body)
   need = max(_peak(forward_body, elements), _peak(backward_body, elements))
-  return _RolledBody(parts, forward_body, tuple(backward_body), need)
+  return LoopBody(parts, forward_body, tuple(backward_body), need)
+
+
+def _whole_body(runner, seg, stacked, buckets, elements, config) -> LoopBody:
+  """The layer as one part: every stacked bucket gathered, the layer computed (backward:
+  recomputed, then its vjp), the trained buckets reduce-scattered, all released. Backward
+  leaves out the buckets without gradient whose values it does not read (an integer
+  leaf's; XLA would delete their gathers), except under hpZ (each layer's secondary is
+  dropped by its re-gather)."""
+  unread = set() if config.secondary_partition else _unread_in_backward(runner, stacked, buckets)
+  regathered = [b for b in stacked if b not in unread]
+  compute = lambda op: ir.Step(op, segment=seg.id, part=0)  # noqa: E731
+  forward = (
+    [ir.Step("gather", bucket=b) for b in stacked]
+    + [compute("compute")]
+    + [ir.Step("release", bucket=b) for b in stacked]
+  )
+  backward = (
+    [ir.Step("gather", bucket=b) for b in regathered]
+    + [compute(ir.RECOMPUTE_OP), compute("compute")]
+    + [ir.Step("reduce_scatter", bucket=b) for b in stacked if ir.has_gradient(buckets[b])]
+    + [ir.Step("release", bucket=b) for b in regathered]
+  )
+  if config.secondary_partition:
+    forward, backward = _with_secondaries(forward, backward)
+  return LoopBody((), tuple(forward), tuple(backward), sum(elements[b] for b in stacked))
 
 
 def _with_secondaries(forward, backward) -> tuple[tuple, list]:
@@ -174,29 +190,6 @@ def _with_secondaries(forward, backward) -> tuple[tuple, list]:
   return tuple(fwd), bwd
 
 
-def scan_unread(trace, segments, stacked, bucket_of, entries, buckets) -> dict:
-  """Scan segment -> its stacked buckets without gradient whose values a backward iteration
-  does not read (loops.backward_unread): the loop step does not re-gather them."""
-  views, out = None, {}
-  for seg in segments:
-    members = [i for i, op in stacked.items() if op == seg.start]
-    if not any(not ir.has_gradient(buckets[bucket_of[i]]) for i in members):
-      continue
-    views = views or param_views(trace.program, len(trace.params))
-    op = trace.program.ops[seg.start]
-    positions = {j: i for i in members for j in loops.input_positions(op, i, views)}
-    unread = loops.backward_unread(
-      op, {j: ir.has_gradient(entries[i]) for j, i in positions.items()}
-    )
-    out[seg.id] = frozenset(
-      b
-      for b in {bucket_of[i] for i in members}
-      if not ir.has_gradient(buckets[b])
-      and all(j in unread for j, i in positions.items() if bucket_of[i] == b)
-    )
-  return out
-
-
 def _part_label(trace, run, runner, io) -> str:
   """The module of the part's first op that reads a gathered weight (as segments' labels)."""
   for j in range(io.start, io.end):
@@ -205,9 +198,13 @@ def _part_label(trace, run, runner, io) -> str:
   return runner.template[io.start].module
 
 
-def _unread_in_backward(runner, stacked, buckets) -> frozenset:
-  unused, _ = loop_parts.unused_gathers(runner, loop_parts.whole_layer_backward(runner, stacked))
-  return frozenset(stacked[k] for k in unused if not ir.has_gradient(buckets[stacked[k]]))
+def _unread_in_backward(runner, stacked, buckets) -> set:
+  """Stacked buckets without gradient whose values a one-part backward iteration does not
+  read (JAX's dead-code elimination of the traced body: loop_parts.unused_gathers)."""
+  probe = [ir.Step("gather", bucket=b) for b in stacked]
+  probe += [ir.Step(op, part=0) for op in (ir.RECOMPUTE_OP, "compute")]
+  unused, _ = loop_parts.unused_gathers(runner, probe)
+  return {stacked[k] for k in unused if not ir.has_gradient(buckets[stacked[k]])}
 
 
 def _without_gathers(body, unused) -> list:

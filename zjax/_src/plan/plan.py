@@ -28,20 +28,20 @@
    earlier (prefetch) while upcoming-but-unused gathered elements stay within
    `prefetch_bucket_size` and live elements within `max_live_parameters`. In backward each
    instance's gradient is reduce-scattered after its last backward use, then released.
-   A loop segment's compute becomes a loop step whose body gathers its stacked buckets'
-   current layer, computes, (backward: reduce-scatters the layer's gradient,) releases.
-   The body gathers one iteration ahead (prefetch) when one layer's elements fit in
-   `prefetch_bucket_size` and two layers fit under `max_live_parameters`. A rolled layer
-   is first planned by these same rules over its sub-modules (loop_parts.py: its parts);
-   unless that plan gathers the whole layer at once, the body follows it part by part
-   (backward: recompute the parts, then their vjps in reverse), without the prefetch
-   across iterations; a run that cannot keep the knobs is planned unrolled, and
+   A loop segment's compute becomes a loop step with a per-iteration body (ir.py, "loop
+   bodies"), planned first by these same rules over the layer's sub-modules
+   (loop_parts.py: its parts; a scan's body is read as a rolled layer's). Where that plan
+   gathers the whole layer at once, the body is one part: gather the stacked buckets'
+   current layer, compute (backward: recompute, then the vjp, then reduce-scatter),
+   release; its gathers are issued one iteration ahead when one layer's elements fit in
+   `prefetch_bucket_size` and two layers fit under `max_live_parameters`. Otherwise the
+   body follows the plan part by part (backward: recompute the parts, then their vjps in
+   reverse). A rolled run that cannot keep the knobs is planned unrolled, and
    `schedule.rolling` says why.
 6. hpZ (`secondary_partition`): a bucket that backward re-gathers gets "keep_secondary"
    right after its first forward gather and "drop_secondary" right after its last backward
-   gather (in a whole-layer loop body: after the layer's gather, in both directions; in a
-   body cut into parts: after the iteration's first forward gather and its last backward
-   one).
+   gather (in a loop body: after the iteration's first forward gather and its last
+   backward one).
 """
 
 import dataclasses
@@ -54,7 +54,7 @@ from zjax._src.config import ZeroConfig
 from zjax._src.errors import ScheduleError
 from zjax._src.layout import tensor_parallel
 from zjax._src.plan import tensor_comm
-from zjax._src.plan.loop_bodies import DoNotRoll, rolled_body, scan_unread
+from zjax._src.plan.loop_bodies import DoNotRoll, rolled_body
 from zjax._src.plan.segmentation import crossing_bytes, make_segments, with_backward_buckets
 from zjax._src.plan.steps import StepPlanner
 from zjax._src.program import loops, roll
@@ -184,15 +184,7 @@ def _plan_with(trace, config, axis_sizes, frozen, platform, rolling, tensor) -> 
   bodies.update(
     _scan_bodies(trace, segments, stacked, buckets, elements, bucket_of, entries, config, rolling)
   )
-  unread = (
-    {}
-    if config.secondary_partition
-    # hpZ: each layer's secondary is dropped
-    else scan_unread(trace, segments, stacked, bucket_of, entries, buckets)
-  )
-  forward, backward = StepPlanner(
-    segments, elements, buckets, config, lengths, bodies, unread
-  ).plan()
+  forward, backward = StepPlanner(segments, elements, buckets, config, lengths, bodies).plan()
   return Schedule(
     num_devices=num_devices,
     platform=platform,
@@ -224,20 +216,20 @@ def _plan_with(trace, config, axis_sizes, frozen, platform, rolling, tensor) -> 
 def _scan_bodies(
   trace, segments, stacked, buckets, elements, bucket_of, entries, config, rolling
 ) -> dict:
-  """Scan segment -> its layer planned part by part (the scan's body as a rolled layer's,
-  loops.scan_run), where the knobs cut it; other scans gather whole layers."""
+  """Scan segment -> its body (the scan's body as a rolled layer's, loops.scan_run): cut
+  into parts where the knobs cut it, else one part, the whole layer."""
   out = {}
   for seg in segments:
     members = {i for i, op in stacked.items() if op == seg.start}
     if not members:
       continue
     run = loops.scan_run(trace.program, seg.start, members, len(trace.params))
+    args = (trace, run, seg, buckets, elements, bucket_of, entries, config, rolling)
     try:
-      body = rolled_body(
-        trace, run, seg, buckets, elements, bucket_of, entries, config, rolling, find_unread=False
-      )
+      body = rolled_body(*args)
     except DoNotRoll as e:
-      if e.need is None:  # (the whole-layer plan says why)
+      if e.need is None:  # one part (the step planner says whether the whole layer fits)
+        out[seg.id] = rolled_body(*args, whole=True)
         continue
       raise ScheduleError(
         f"Segment {seg.id} ({seg.label or 'a scan'}) is a scan whose layer, gathered part "
@@ -245,8 +237,7 @@ def _scan_bodies(
         f"{e.largest}, and what is kept gathered around the loop), above max_live_parameters="
         f"{config.max_live_parameters}: raise max_live_parameters to at least {e.need}."
       ) from None
-    if body.parts:
-      out[seg.id] = body
+    out[seg.id] = body
   return out
 
 

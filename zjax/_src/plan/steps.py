@@ -48,7 +48,6 @@ class StepPlanner:
     config: ZeroConfig,
     lengths=None,
     bodies=None,
-    scan_unread=None,
   ):
     self.k = len(segments)
     self.elements = elements
@@ -64,16 +63,9 @@ class StepPlanner:
       )
       for seg in segments
     )
-    # rolled loops: segment -> _RolledBody (with parts, or gathered as one whole layer)
-    # loop segment -> stacked buckets its backward iteration does not read (not re-gathered)
-    self.unread = {**(scan_unread or {}), **{k: body.unread for k, body in (bodies or {}).items()}}
-    self.bodies = {k: body for k, body in (bodies or {}).items() if body.parts}
-    self.loop_need = [
-      self.bodies[seg.id].need
-      if seg.id in self.bodies
-      else sum(elements[b] for b in seg.buckets if buckets[b].stacked)
-      for seg in segments
-    ]  # one layer of every stacked bucket
+    # loop segment -> its loop_bodies.LoopBody (cut into parts, or one whole-layer part)
+    self.bodies = bodies or {}
+    self.loop_need = [self.bodies[seg.id].need if seg.id in self.bodies else 0 for seg in segments]
     lengths = lengths or {}
     work = [sum(elements[b] * (lengths.get(b, 1)) for b in seg.buckets) for seg in segments]
     self.work_prefix = [0]
@@ -281,35 +273,26 @@ class StepPlanner:
     return [ir.Step("drop_secondary", bucket=b)] if gathers_left[b] == 0 else []
 
   def _compute_step(self, k: int, phase: str, live: int) -> ir.Step:
-    """compute k, or for a loop segment the loop step with its per-iteration body."""
+    """compute k, or for a loop segment the loop step with its per-iteration body (a
+    whole-layer body gathered one iteration ahead where the knobs allow)."""
     stacked = [b for b in self.full_segments[k].buckets if self.buckets[b].stacked]
     if not stacked:
       return ir.Step("compute", segment=k)
-    if k in self.bodies:  # cut into parts: no prefetch across iterations
-      body = self.bodies[k]
-      return ir.Step(
-        ir.LOOP_OP,
-        segment=k,
-        length=self.lengths[stacked[0]],
-        parts=body.parts,
-        body=body.forward if phase == "forward" else body.backward,
+    body = self.bodies[k]
+    steps = body.forward if phase == "forward" else body.backward
+    length = self.lengths[stacked[0]]
+    if not body.parts and self._ahead_fits(length, body.need, live):
+      steps = tuple(
+        dataclasses.replace(st, prefetch=True, ahead=True) if st.op == "gather" else st
+        for st in steps
       )
-    need = self.loop_need[k]
-    prefetch = (
-      self.lengths[stacked[0]] > 1
+    return ir.Step(ir.LOOP_OP, segment=k, length=length, parts=body.parts, body=steps)
+
+  def _ahead_fits(self, length: int, need: int, live: int) -> bool:
+    """Whether a loop may gather its next layer while this one computes: a layer within
+    prefetch_bucket_size, and two layers plus what is live around within the cap."""
+    return (
+      length > 1
       and need <= self.config.prefetch_bucket_size
       and live + need <= self.config.max_live_parameters
     )
-    if phase == "backward":  # re-gather what the backward iteration reads
-      stacked = [b for b in stacked if b not in self.unread.get(k, ())]
-    body = [ir.Step("gather", bucket=b, prefetch=prefetch) for b in stacked]
-    if self.config.secondary_partition:  # hpZ: every layer's secondary, kept until backward
-      op = "keep_secondary" if phase == "forward" else "drop_secondary"
-      body += [ir.Step(op, bucket=b) for b in stacked]
-    body.append(ir.Step("compute", segment=k))
-    if phase == "backward":
-      body += [
-        ir.Step("reduce_scatter", bucket=b) for b in stacked if ir.has_gradient(self.buckets[b])
-      ]
-    body += [ir.Step("release", bucket=b) for b in stacked]
-    return ir.Step(ir.LOOP_OP, segment=k, length=self.lengths[stacked[0]], body=tuple(body))

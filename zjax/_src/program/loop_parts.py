@@ -517,16 +517,5 @@ def backward_reads(runner, p, bucket_of_position) -> tuple[int, ...]:
   return tuple(b for k, b in enumerate(buckets) if second + k not in unused)
 
 
-def whole_layer_backward(runner, gathered) -> list:
-  """A backward iteration that gathers `gathered` first, then recomputes every part and
-  runs their vjps in reverse (what a whole-layer loop does)."""
-  parts = range(len(runner.parts))
-  return (
-    [_step("gather", b) for b in gathered]
-    + [_step(ir.RECOMPUTE_OP, part=p) for p in parts]
-    + [_step("compute", part=p) for p in reversed(parts)]
-  )
-
-
 def _step(op, bucket=None, part=None):
   return ir.Step(op, bucket=bucket, part=part)

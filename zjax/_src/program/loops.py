@@ -295,18 +295,6 @@ def loop_inputs(eqn) -> tuple[int, int]:
   return eqn.params["num_consts"], eqn.params["num_carry"]
 
 
-def backward_unread(op, stacked: dict[int, bool]) -> set[int]:
-  """Input positions of scan `op`'s stacked parameters (`stacked`: position -> trained)
-  whose values one backward iteration does not read, by JAX's dead-code elimination over
-  the iteration's vjp as the loop step runs it (differentiated: the trained stacked inputs
-  and every floating-point other input; cotangents of the floating-point outputs). XLA
-  deletes a re-gather of such a value (an integer leaf's), so the schedule leaves it out."""
-  avals = [v.aval for v in op.eqn.params["jaxpr"].jaxpr.invars]
-  diff = [stacked[j] if j in stacked else ir.is_float(a.dtype) for j, a in enumerate(avals)]
-  _, used = iteration_vjp(op.eqn, diff)
-  return {j for j in stacked if not used[j]}
-
-
 def iteration_vjp(eqn, differentiated) -> tuple:
   """One backward iteration of scan `eqn`: the vjp of its body in the inputs
   `differentiated` marks, given cotangents of its floating-point outputs, traced on abstract

@@ -31,7 +31,14 @@ Vocabulary:
     is *stacked*: stored [L, padded layer], each device holding 1/N of every layer. Its
     bucket (all stacked members of one module) is gathered one layer at a time inside a
     "loop" step, which runs its segment (that scan alone) with a body of steps executed
-    once per iteration; a body gather with prefetch=True is issued one iteration ahead.
+    once per iteration.
+  * loop bodies (one form for rolled runs and scans): the layer is cut into `parts`
+    (Segments over a rolled run's first layer's ops, or the scan body's ops numbered from
+    0); a loop step without `parts` has one, part 0, the whole layer. Forward computes the
+    parts in order; backward recomputes them in order, then computes their vjps in reverse.
+    Its gathers, releases and reduce-scatters sit between those steps. A gather with
+    ahead=True is issued one iteration early (the first layer's before the loop), so the
+    next layer arrives while this one computes.
 """
 
 import dataclasses
@@ -42,8 +49,10 @@ import numpy as np
 from zjax._src.execute.quantize import Quantization
 
 FORMAT_NAME = "zjax-schedule"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # version 1: no loops, no stacked parameters
+FORMAT_VERSION = 3
+# version 1: no loops, no stacked parameters; version 2: a whole-layer loop's body computes
+# its segment (no recompute), its gathers all prefetching one iteration ahead or none
+READABLE_VERSIONS = (1, 2, 3)
 FORWARD_OPS = ("gather", "compute", "release", "keep_secondary")
 BACKWARD_OPS = ("gather", "compute", "release", "reduce_scatter", "drop_secondary")
 # in a rolled loop's backward body cut into parts (loop_parts.py): a part's forward rerun
@@ -216,10 +225,11 @@ class Step:
   length: int = 0  # loop: trip count
   body: tuple = ()  # loop: the steps run once per iteration
   # a loop whose layer is cut into parts (loop_parts.py): the parts (Segments over a rolled
-  # run's first layer's ops, or a scan body's ops numbered from 0; ids 0..); compute /
-  # recompute steps of its body name a part
+  # run's first layer's ops, or a scan body's ops numbered from 0; ids 0..; none: one part,
+  # the whole layer); compute / recompute steps of its body name a part
   parts: tuple = ()
   part: int | None = None
+  ahead: bool = False  # a loop body's gather issued one iteration early
 
   def to_dict(self) -> dict:
     if self.op in ("compute", RECOMPUTE_OP):
@@ -238,6 +248,8 @@ class Step:
     out = {"op": self.op, "bucket": self.bucket}
     if self.op == "gather":
       out["prefetch"] = self.prefetch
+      if self.ahead:
+        out["ahead"] = True
     return out
 
   def to_dict_with_axes(self, phase: str, config, buckets) -> dict:

@@ -95,11 +95,11 @@ def _loop_rows(s, sim, phase, i, step, live_after, end=""):
   for j, inner in enumerate(step.body):
     row = (
       _part_row(step, inner, phase, "body ops" if scan else "ops")
-      if inner.part is not None
+      if inner.op in ("compute", "recompute")
       else _step_row(s, sim, phase, j, inner, None)
     )
-    ahead = row[2] if step.parts else row[2].replace("prefetch", "next layer")
-    rows.append((f"{i}.{j}", phase, "  " + ahead, *row[3:7], ""))
+    op = row[2].replace("prefetch", "next layer") if inner.ahead else row[2]
+    rows.append((f"{i}.{j}", phase, "  " + op, *row[3:7], ""))
   return rows
 
 
@@ -112,20 +112,15 @@ def _reduction_note(s, reduced: int) -> str:
 
 
 def _part_row(loop, step, phase, ops="ops"):
-  """A compute step of a loop body cut into parts: forward, recomputed, or its vjp (`ops`:
-  what its op numbers count: the program's, or a scan body's)."""
-  part = loop.parts[step.part]
+  """A compute step of a loop body: of a part (`ops`: what its op numbers count: the
+  program's, or a scan body's) or of the whole layer; forward, recomputed, or its vjp."""
+  if loop.parts:
+    part = loop.parts[step.part]
+    what = f"part {part.id} {ops} [{part.start},{part.end}) {part.label}".rstrip()
+  else:
+    what = "the whole layer"
   op = {"recompute": "recompute", "compute": "compute" if phase == "fwd" else "compute_vjp"}
-  return (
-    "",
-    phase,
-    op[step.op],
-    "",
-    "",
-    f"part {part.id} {ops} [{part.start},{part.end}) {part.label}".rstrip(),
-    "",
-    "",
-  )
+  return ("", phase, op[step.op], "", "", what, "", "")
 
 
 def _step_row(s, sim, phase, i, step, live_after, end=""):

@@ -338,12 +338,37 @@ def _parse(data) -> dict:
     tensor_estimate=_tensor_estimate(data),
     notes=tuple(_string_list(data, "notes", "top level") if "notes" in data else ()),
     forward=tuple(
-      _parse_step(s, i, "forward", config, buckets) for i, s in enumerate(_items(data, "forward"))
+      _upgraded(_parse_step(s, i, "forward", config, buckets), "forward", version)
+      for i, s in enumerate(_items(data, "forward"))
     ),
     backward=tuple(
-      _parse_step(s, i, "backward", config, buckets) for i, s in enumerate(_items(data, "backward"))
+      _upgraded(_parse_step(s, i, "backward", config, buckets), "backward", version)
+      for i, s in enumerate(_items(data, "backward"))
     ),
   )
+
+
+def _upgraded(step, phase: str, version: int) -> ir.Step:
+  """A step of a version-2 file as this version writes it: a loop body without parts
+  (the whole layer) becomes the one-part body it meant. Its compute names part 0 and
+  backward recomputes that part first; its gathers prefetched one iteration ahead; hpZ's
+  keep/drop of a secondary follows its bucket's gather."""
+  if version >= 3 or step.op != ir.LOOP_OP or step.parts:
+    return step
+  hpz = ("keep_secondary", "drop_secondary")
+  secondary = [st for st in step.body if st.op in hpz]
+  body = []
+  for st in step.body:
+    if st.op == "compute":
+      if phase == "backward":
+        body.append(dataclasses.replace(st, op=ir.RECOMPUTE_OP, part=0))
+      body.append(dataclasses.replace(st, part=0))
+    elif st.op == "gather":
+      body.append(dataclasses.replace(st, ahead=st.prefetch))
+      body += [kept for kept in secondary if kept.bucket == st.bucket]
+    elif st.op not in hpz:
+      body.append(st)
+  return dataclasses.replace(step, body=tuple(body))
 
 
 def _tensor_estimate(data) -> tuple:
@@ -467,7 +492,12 @@ def _parse_step(s, i, phase, config, buckets, in_loop=False) -> ir.Step:
     _expect(in_loop or part is None, f"{where}: only a rolled loop's body steps name a part")
     return ir.Step(op, segment=_field(s, "segment", int, where), part=part)
   prefetch = _field(s, "prefetch", bool, where) if op == "gather" else False
-  step = ir.Step(op, bucket=_field(s, "bucket", int, where), prefetch=prefetch)
+  ahead = _optional(s, "ahead", bool, where, False)
+  _expect(
+    not ahead or (in_loop and op == "gather"),
+    f"{where}: only a gather in a loop body can be issued an iteration ahead",
+  )
+  step = ir.Step(op, bucket=_field(s, "bucket", int, where), prefetch=prefetch, ahead=ahead)
   _check_quantized(s, step, phase.split()[0], config, buckets, where)
   return step
 

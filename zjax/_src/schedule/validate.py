@@ -393,7 +393,7 @@ class _Simulator:
 
   def _loop(self, step, phase, where, expected) -> int:
     """Simulate a loop step: its body once (every iteration does the same); returns the
-    peak live bytes inside, a prefetched layer included."""
+    peak live bytes inside, the next layer's gathered ahead included."""
     k = step.segment
     if not isinstance(k, int) or not 0 <= k < len(self.s.segments):
       raise ScheduleError(
@@ -425,70 +425,9 @@ class _Simulator:
         f"and a whole number of layers ({step.length} layers, ops "
         f"[{seg.start}, {seg.end}))."
       )
+    parts = step.parts or (self._whole_layer(seg, stacked, step, phase),)
     if step.parts:
-      return self._parted_loop(step, phase, where, expected, stacked)
-    if phase == "backward":  # buckets without gradient may be left out (not read)
-      gathered = {st.bucket for st in step.body if st.op == "gather"}
-      stacked = [b for b in stacked if b in gathered or ir.has_gradient(self.s.buckets[b])]
-    expected_body = self._loop_body_ops(stacked, k, phase)
-    found = [(st.op, st.segment if st.op == "compute" else st.bucket) for st in step.body]
-    if found != expected_body:
-      raise ScheduleError(
-        f"{where}: the loop body is {found}; it must be {expected_body}: "
-        f"gather each stacked bucket, compute, "
-        f"{'reduce-scatter, ' if phase == 'backward' else ''}release."
-      )
-    prefetch = {st.prefetch for st in step.body if st.op == "gather"}
-    if len(prefetch) > 1:
-      raise ScheduleError(f"{where}: the body's gathers must all prefetch or none.")
-    self.in_loop = True
-    peak, peak_elements, self.body_grad_peak = 0, 0, 0
-    for j, st in enumerate(step.body):
-      inner = f"{where} body step {j}"
-      if st.op == "compute":
-        self._compute(st, phase, inner, expected)
-      else:
-        getattr(self, "_" + st.op)(st.bucket, phase, inner)
-      peak = max(peak, sum(self.bytes[b] for b in self.live))
-      self.body_grad_peak = max(
-        self.body_grad_peak, sum(self.grad_bytes[b] for b in self.pending_grad)
-      )
-      peak_elements = max(peak_elements, sum(self.elements[b] for b in self.live))
-    self.in_loop = False
-    if prefetch == {True}:  # the next layer arrives while this one is in use
-      peak += sum(self.bytes[b] for b in stacked)
-      peak_elements += sum(self.elements[b] for b in stacked)
-      if peak_elements > self.cap:
-        raise ScheduleError(
-          f"{where}: prefetching the next layer makes {peak_elements} "
-          f"parameter elements live, above max_live_parameters={self.cap}. "
-          f"Set the body's gathers to prefetch: false or raise the cap."
-        )
-    return peak
-
-  def _parted_loop(self, step, phase, where, expected, stacked) -> int:
-    """A rolled loop whose layer is cut into parts (loop_parts.py): forward computes the
-    parts in order; backward recomputes them in order, then computes their vjps in reverse;
-    each part's buckets (backward: the ones its vjp reads) are live when it computes; every
-    stacked bucket is released by the end of the body, and in backward each trained one is
-    reduce-scattered once after its last use. Returns the peak live bytes inside."""
-    seg, parts = self.s.segments[step.segment], step.parts
-    # a rolled layer's parts cut its first layer's ops; a scan's, its body's (numbered from
-    # 0; the executor checks the cut against the program)
-    if any(self.s.buckets[b].layers for b in stacked):
-      first, end = seg.start, seg.start + (seg.end - seg.start) // step.length
-      layer = f"its first layer, ops [{first}, {end}),"
-    else:
-      first, end, layer = 0, parts[-1].end, "its scan's body from op 0"
-    if (
-      [p.id for p in parts] != list(range(len(parts)))
-      or parts[0].start != first
-      or parts[-1].end != end
-      or any(a.end != b.start or a.start >= a.end for a, b in zip(parts, parts[1:]))
-    ):
-      raise ScheduleError(
-        f"{where}: the loop's parts must be numbered 0.. and cut {layer} into consecutive ranges."
-      )
+      self._check_parts(seg, step, stacked, where)
     order = list(range(len(parts)))
     wanted = {
       "forward": [("compute", p) for p in order],
@@ -507,7 +446,9 @@ class _Simulator:
           f"{where}: the loop needs {describe_bucket(self.s, b)} in every "
           f"iteration, but it is not gathered. Gather it before the loop."
         )
-    self.in_loop, peak, self.body_grad_peak = True, 0, 0
+    ahead = self._ahead(step, where)
+    around = tuple(b for b in seg.buckets if not self.s.buckets[b].stacked)
+    self.in_loop, peak, peak_elements, self.body_grad_peak = True, 0, 0, 0
     for j, st in enumerate(step.body):
       inner = f"{where} body step {j}"
       if st.op == "recompute":
@@ -522,12 +463,14 @@ class _Simulator:
             f"{describe_bucket(self.s, missing[0])}, which is not gathered. "
             f"Insert a gather of bucket {missing[0]} before this step."
           )
-        if phase == "backward":
-          self.pending_grad.update(b for b in part.buckets if ir.has_gradient(self.s.buckets[b]))
+        if phase == "backward":  # (a weight every iteration reads: its gradient sums here)
+          trained = [b for b in part.buckets + around if ir.has_gradient(self.s.buckets[b])]
+          self.pending_grad.update(trained)
       else:
         self._check_step_fields(st, phase, inner)
         getattr(self, "_" + st.op)(st.bucket, phase, inner)
       peak = max(peak, sum(self.bytes[b] for b in self.live))
+      peak_elements = max(peak_elements, sum(self.elements[b] for b in self.live))
       self.body_grad_peak = max(
         self.body_grad_peak, sum(self.grad_bytes[b] for b in self.pending_grad)
       )
@@ -535,27 +478,65 @@ class _Simulator:
     left = [b for b in stacked if b in self.live or b in self.pending_grad]
     if left:
       raise ScheduleError(
-        f"{where}: {describe_bucket(self.s, left[0])} is still gathered or "
-        f"its gradient not reduce-scattered at the end of the body; every "
-        f"iteration must release (and in backward reduce-scatter) its "
-        f"layer."
+        f"{where}: the loop body is not closed: {describe_bucket(self.s, left[0])} is "
+        f"still gathered or its gradient not reduce-scattered at the end of the body; every "
+        f"iteration must release (and in backward reduce-scatter) its layer."
       )
-    if phase == "backward":  # a weight every iteration reads: its gradient is complete now
-      self.pending_grad.update(
-        b
-        for b in seg.buckets
-        if not self.s.buckets[b].stacked and ir.has_gradient(self.s.buckets[b])
+    # the next layer's buckets gathered ahead arrive while this layer's are in use
+    peak_elements += sum(self.elements[b] for b in ahead)
+    if peak_elements > self.cap:
+      raise ScheduleError(
+        f"{where}: gathering the next layer ahead makes {peak_elements} parameter "
+        f"elements live, above max_live_parameters={self.cap}. Remove the body gathers' "
+        f"ahead (or raise the cap)."
       )
-    return peak
+    return peak + sum(self.bytes[b] for b in ahead)
 
-  def _loop_body_ops(self, stacked, k, phase) -> list[tuple[str, int]]:
-    ops = [("gather", b) for b in stacked]
-    if self.s.config.secondary_partition:
-      ops += [("keep_secondary" if phase == "forward" else "drop_secondary", b) for b in stacked]
-    ops += [("compute", k)]
-    if phase == "backward":
-      ops += [("reduce_scatter", b) for b in stacked if ir.has_gradient(self.s.buckets[b])]
-    return ops + [("release", b) for b in stacked]
+  def _whole_layer(self, seg, stacked, step, phase) -> ir.Segment:
+    """The one part of a loop body without parts: the whole layer, which reads every
+    stacked bucket (backward: those with a gradient, and those its body gathers; the
+    executor checks that the others are not read)."""
+    gathered = {st.bucket for st in step.body if st.op == "gather"}
+    read = [b for b in stacked if b in gathered or ir.has_gradient(self.s.buckets[b])]
+    return ir.Segment(0, seg.start, seg.end, tuple(stacked), tuple(read), seg.label)
+
+  def _check_parts(self, seg, step, stacked, where):
+    """A loop's parts are numbered 0.. and cut its layer into consecutive op ranges: a
+    rolled layer's, its first layer's ops; a scan's, its body's from op 0 (the executor
+    checks the cut against the program)."""
+    parts = step.parts
+    if any(self.s.buckets[b].layers for b in stacked):
+      first, end = seg.start, seg.start + (seg.end - seg.start) // step.length
+      layer = f"its first layer, ops [{first}, {end}),"
+    else:
+      first, end, layer = 0, parts[-1].end, "its scan's body from op 0"
+    if (
+      [p.id for p in parts] != list(range(len(parts)))
+      or parts[0].start != first
+      or parts[-1].end != end
+      or any(a.end != b.start or a.start >= a.end for a, b in zip(parts, parts[1:]))
+    ):
+      raise ScheduleError(
+        f"{where}: the loop's parts must be numbered 0.. and cut {layer} into consecutive ranges."
+      )
+
+  def _ahead(self, step, where) -> list[int]:
+    """The buckets a loop body gathers one iteration ahead: each such gather must be its
+    bucket's first in the body, before any compute (it is issued in the previous
+    iteration), and prefetch."""
+    ahead, seen = [], set()
+    for j, st in enumerate(step.body):
+      if st.op == "gather" and st.ahead:
+        computed = any(x.op in ("compute", "recompute") for x in step.body[:j])
+        if computed or st.bucket in seen or not st.prefetch:
+          raise ScheduleError(
+            f"{where} body step {j}: a gather issued an iteration ahead must be its "
+            f"bucket's first gather in the body, come before the first compute, and "
+            f"prefetch."
+          )
+        ahead.append(st.bucket)
+      seen.add(st.bucket)
+    return ahead
 
   def _check_step_fields(self, step, phase, where):
     allowed = ir.FORWARD_OPS if phase == "forward" else ir.BACKWARD_OPS
@@ -589,8 +570,6 @@ class _Simulator:
     self._check_order(seg, phase, where, expected)
     needed = seg.buckets if phase == "forward" else seg.backward_buckets
     for b in needed:
-      if self.in_loop and phase == "backward" and not ir.has_gradient(self.s.buckets[b]):
-        continue  # left out where unread (the executor checks that against the program)
       if b not in self.live:
         when = self.released_at.get(b)
         why = (
