@@ -7,6 +7,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from zjax._src.layout.mesh_roles import MeshRoles
+
 # Knobs measured in parameter elements, as in DeepSpeed's `zero_optimization` section.
 _ELEMENT_KNOBS = {
   "prefetch_bucket_size": "must be >= 0 (0 disables prefetch)",
@@ -152,7 +154,8 @@ class ZeroConfig:
     object.__setattr__(
       self, "replicate_axes", _check_replicate_axes(self.replicate_axes, shard_axes)
     )
-    object.__setattr__(self, "tensor_axes", _check_tensor_axes(self.tensor_axes, self.data_axes))
+    data_axes = (*self.replicate_axes, *shard_axes)
+    object.__setattr__(self, "tensor_axes", _check_tensor_axes(self.tensor_axes, data_axes))
     if not isinstance(self.secondary_partition, bool):
       raise ValueError(
         f"ZeroConfig.secondary_partition must be True or False, got {self.secondary_partition!r}."
@@ -224,25 +227,30 @@ class ZeroConfig:
     return out
 
   @property
+  def roles(self) -> MeshRoles:
+    """What each axis the config names does (mesh_roles.py; sizes come with a mesh)."""
+    return MeshRoles.of(self)
+
+  @property
   def data_axes(self) -> tuple[str, ...]:
     """Every axis the batch is split over: the replicate axes, then the shard axes."""
-    return (*self.replicate_axes, *self.shard_axes)
+    return self.roles.data_axes
 
   @property
   def mesh_axes(self) -> tuple[str, ...]:
     """Every axis the config names: the data axes, then the tensor axes."""
-    return (*self.data_axes, *self.tensor_axes)
+    return self.roles.mesh_axes
 
   @property
   def storage_axes(self) -> tuple[str, ...]:
     """The axes parameter storage is sharded over: the shard axes, or with a secondary
     partition (hpZ) every data axis."""
-    return self.data_axes if self.secondary_partition else self.shard_axes
+    return self.roles.storage_axes
 
   @property
   def averaged_axes(self) -> tuple[str, ...]:
     """Axes a reduce-scattered gradient shard is then averaged over (HSDP's replicas)."""
-    return () if self.secondary_partition else self.replicate_axes
+    return self.roles.averaged_axes
 
   @classmethod
   def from_dict(cls, data: dict) -> "ZeroConfig":

@@ -52,10 +52,11 @@ class _TensorManual:
 
 def region_of(schedule):
   """Where a schedule's bucket collectives run: directly, or manual over its tensor axis."""
-  tensor_axes = schedule.config.tensor_axes
-  if not tensor_axes:
+  tensor = schedule.roles.tensor_axis_sizes
+  if not tensor:
     return _Direct()
-  return _TensorManual(tensor_axes[0], schedule.tensor_sizes[0])
+  ((axis, size),) = tensor.items()
+  return _TensorManual(axis, size)
 
 
 class BucketComm:
@@ -67,16 +68,17 @@ class BucketComm:
     config, bucket = schedule.config, schedule.buckets[b]
     self.region, self.n = region, schedule.num_devices
     self.axes = {
-      phase: tuple(ir.collective_axes("gather", phase, config)["axes"])
+      phase: tuple(schedule.roles.collective_axes("gather", phase)["axes"])
       for phase in ("forward", "backward")
     }
     self.quantization = {
       phase: ir.gather_quantization(bucket, phase, config) for phase in ("forward", "backward")
     }
     self.reduce_quantization = ir.reduce_quantization(bucket, config)
-    self.storage_axes, self.shard_axes = config.storage_axes, config.shard_axes
-    self.mean_over = config.averaged_axes  # HSDP: gradient shards averaged over replicas
-    self.replicas = schedule.replicas
+    roles = schedule.roles
+    self.storage_axes, self.shard_axes = roles.storage_axes, roles.shard_axes
+    self.mean_over = roles.averaged_axes  # HSDP: gradient shards averaged over replicas
+    self.replicas = roles.replicas
     dtype = schedule.params[first].dtype
     self.wire_dtype = ir.reduce_wire_dtype(dtype, config, schedule.platform)
 

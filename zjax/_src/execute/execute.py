@@ -72,7 +72,7 @@ class _Runner:
   def __init__(self, loss_fn, schedule, mesh):
     self.loss_fn, self.schedule, self.mesh = loss_fn, schedule, mesh
     self.n = schedule.num_devices
-    self.data_axes = schedule.config.data_axes  # the batch is split over all of them
+    self.data_axes = schedule.roles.data_axes  # the batch is split over all of them
     self.data_parallel = schedule.data_parallel_size
 
   def step(self, sharded_params, batch, extra=None):
@@ -88,7 +88,7 @@ class _Runner:
     extra_specs = jax.tree.map(lambda _: P(), extra)
     extra = jax.tree.map(lambda x: layout.place(x, self.mesh, P()), extra)
     # tensor parallelism: manual over the data axes only, the tensor axis left to GSPMD
-    manual = {"axis_names": set(self.data_axes)} if self.schedule.config.tensor_axes else {}
+    manual = {"axis_names": set(self.data_axes)} if self.schedule.roles.tensor_axes else {}
     run = jax.shard_map(
       program.run,
       mesh=self.mesh,
@@ -168,7 +168,7 @@ class _DeviceProgram:
   def __init__(self, schedule, program):
     self.s, self.program = schedule, program
     config = schedule.config
-    self.n, self.data_axes = schedule.num_devices, config.data_axes
+    self.n, self.data_axes = schedule.num_devices, schedule.roles.data_axes
     self.secondary_partition = config.secondary_partition  # hpZ
     analysis = seg_lib.analyze(
       program,

@@ -30,7 +30,7 @@ def storage_specs(schedule) -> list[P]:
   """PartitionSpec of each leaf of the sharded layout (schedule.storage order): over the
   storage axes, and a tensor-parallel leaf's slices over the tensor axis."""
   axis = storage_axis(schedule.config)
-  tensor = schedule.config.tensor_axes[0] if schedule.config.tensor_axes else None
+  tensor = schedule.roles.tensor_axes[0] if schedule.roles.tensor_axes else None
   return [storage_spec(leaf.entry, axis, tensor) for leaf in schedule.storage]
 
 
@@ -405,9 +405,10 @@ def _unshard_program(schedule, mesh):
 
 def check_mesh(schedule, mesh) -> None:
   """The mesh must be the one the schedule was planned for: the same data axes and sizes."""
-  sizes, config = schedule.axis_sizes, schedule.config
+  roles = schedule.roles
+  sizes = roles.axis_sizes
   for name, size in sizes.items():
-    role = "replicates" if name in config.replicate_axes else "shards"
+    role = "replicates" if name in roles.replicate_axes else "shards"
     if name not in mesh.shape:
       field = "replicate_axes" if role == "replicates" else "shard_axes"
       raise ZjaxError(
@@ -424,14 +425,14 @@ def check_mesh(schedule, mesh) -> None:
         f"{mesh.shape[name]}"
       )
       raise ZjaxError(f"{found}. Plan it for this mesh (compile_schedule(..., mesh=mesh)).")
-  for name, size in schedule.tensor_axis_sizes.items():
+  for name, size in roles.tensor_axis_sizes.items():
     if mesh.shape.get(name) != size:
       raise ZjaxError(
         f"The schedule splits tensors over axis {name!r} of size {size} "
         f"(ZeroConfig.tensor_axes), but the mesh has axes {dict(mesh.shape)}. "
         f"Plan it for this mesh (compile_schedule(..., mesh=mesh))."
       )
-  sizes = {**sizes, **schedule.tensor_axis_sizes}
+  sizes = {**sizes, **roles.tensor_axis_sizes}
   for name, size in mesh.shape.items():
     if name not in sizes:
       raise ZjaxError(

@@ -48,11 +48,11 @@ import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
 
 from zjax._src.config import ZeroConfig
 from zjax._src.errors import ScheduleError
 from zjax._src.layout import tensor_parallel
+from zjax._src.layout.mesh_roles import MeshRoles
 from zjax._src.plan import tensor_comm
 from zjax._src.plan.loop_bodies import DoNotRoll, rolled_body
 from zjax._src.plan.segmentation import crossing_bytes, make_segments, with_backward_buckets
@@ -95,9 +95,9 @@ def _plan(trace, config, axis_sizes, frozen, platform, tensor) -> Schedule:
 
 
 def _plan_with(trace, config, axis_sizes, frozen, platform, rolling, tensor) -> Schedule:
-  num_devices = int(np.prod([axis_sizes[a] for a in config.storage_axes], dtype=np.int64))
-  replica_sizes = tuple(axis_sizes[a] for a in config.replicate_axes)
-  shard_sizes = tuple(axis_sizes[a] for a in config.shard_axes)
+  roles = MeshRoles.of(config, {**axis_sizes, **dict(zip(config.tensor_axes, tensor.sizes))})
+  num_devices = roles.storage_size
+  replica_sizes, shard_sizes = roles.size_of(roles.replicate_axes), roles.size_of(roles.shard_axes)
   persistent = {
     p.index
     for p in trace.params

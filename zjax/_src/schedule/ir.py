@@ -262,23 +262,9 @@ class Step:
       }
     return {
       **self.to_dict(),
-      **collective_axes(self.op, phase, config),
+      **config.roles.collective_axes(self.op, phase),
       **step_quantization(self, phase, buckets, config),
     }
-
-
-def collective_axes(op: str, phase: str, config) -> dict:
-  """What a step's collective spans: {"axes": [...]} (gather, reduce_scatter), plus
-  {"mean_over": [...]} for HSDP's reduce-scatter (then averaged over the replicas)."""
-  if op == "gather":
-    backward_secondary = phase == "backward" and config.secondary_partition
-    return {"axes": list(config.shard_axes if backward_secondary else config.storage_axes)}
-  if op == "reduce_scatter":
-    out = {"axes": list(config.storage_axes)}
-    if config.averaged_axes:
-      out["mean_over"] = list(config.averaged_axes)
-    return out
-  return {}
 
 
 def axes_key(axes) -> str:

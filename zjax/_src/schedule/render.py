@@ -35,7 +35,7 @@ def render_schedule(s, sim) -> str:
         rows += _loop_rows(s, sim, phase, i, step, live_after, ends.get(step.segment, ""))
       else:
         rows.append(_step_row(s, sim, phase, i, step, live_after, ends.get(step.segment, "")))
-  if len(s.config.data_axes) == 1:  # every collective spans the one axis: no column
+  if len(s.roles.data_axes) == 1:  # every collective spans the one axis: no column
     rows = [r[:3] + r[4:] for r in rows]
   rolling = "".join(f"\nlayer rolling: {note}" for note in s.rolling)
   return head + "\n" + table(rows) + rolling + "".join(f"\nnote: {n}" for n in s.notes)
@@ -43,7 +43,7 @@ def render_schedule(s, sim) -> str:
 
 def _layout_words(s) -> str:
   """How the devices are used, for the header (nothing to add on a one-axis mesh)."""
-  if s.config.tensor_axes:
+  if s.roles.tensor_axes:
     ((axis, size),) = s.tensor_axis_sizes.items()
     split = sum(p.tensor_dim is not None for p in s.params)
     return _data_words(s) + f" x {size}-way tensor parallel over {axis} ({split} params split)"
@@ -52,20 +52,20 @@ def _layout_words(s) -> str:
 
 def _data_words(s) -> str:
   sizes = "x".join(str(n) for n in s.axis_sizes.values())
-  axes = ",".join(s.config.data_axes)
+  axes = ",".join(s.roles.data_axes)
   if s.config.secondary_partition:
     return (
       f" ({sizes} over {axes}), hpZ: forward over every axis, backward re-gathers "
-      f"from a secondary 1/{s.shards} shard over {','.join(s.config.shard_axes)}"
+      f"from a secondary 1/{s.shards} shard over {','.join(s.roles.shard_axes)}"
     )
-  if s.config.replicate_axes:
-    return f" x {s.replicas} replicas over {', '.join(s.config.replicate_axes)} (HSDP)"
-  return f" ({sizes} over {axes})" if len(s.config.shard_axes) > 1 else ""
+  if s.roles.replicate_axes:
+    return f" x {s.replicas} replicas over {', '.join(s.roles.replicate_axes)} (HSDP)"
+  return f" ({sizes} over {axes})" if len(s.roles.shard_axes) > 1 else ""
 
 
 def _axes_cell(s, step, phase) -> str:
   """The mesh axes the step's collective spans ("" for steps without one)."""
-  info = ir.collective_axes(step.op, "backward" if phase == "bwd" else "forward", s.config)
+  info = s.roles.collective_axes(step.op, "backward" if phase == "bwd" else "forward")
   if not info:
     return ""
   cell = ir.axes_key(info["axes"])
@@ -178,7 +178,7 @@ def render_param_table(trace, s) -> str:
     )
     if entry.tensor_dim is not None:  # tensor parallelism: which dim, over which axis
       of = " of each layer" if entry.stacked else ""  # (a stack's: counted in one layer)
-      layout += f", dim {entry.tensor_dim}{of} over {s.config.tensor_axes[0]}"
+      layout += f", dim {entry.tensor_dim}{of} over {s.roles.tensor_axes[0]}"
     uses = (
       "; ".join(
         f"op {u.op} {u.primitive}" + (f" in {u.context}" if u.context else "") for u in p.uses

@@ -25,7 +25,7 @@ def make_report(s, sim) -> dict:
   persistent = [p for p in s.params if p.persistent]
   replica_bytes = (
     sum(sim.bucket_grad_bytes[st.bucket] // s.num_devices for st in reductions)
-    if s.config.averaged_axes
+    if s.roles.averaged_axes
     else 0
   )
   collectives = executed_collectives(s, sim)
@@ -130,7 +130,7 @@ def tensor_report(s) -> dict:
   parameter state per device) are split over it. Its own collectives are GSPMD's: measured
   from the compiled program (zjax.hlo.executed_by_axis); here only a Megatron-style
   estimate of their bytes (tensor_comm.py), labelled as one."""
-  if not s.config.tensor_axes:
+  if not s.roles.tensor_axes:
     return {}
   tp = [p for p in s.params if p.tensor_dim is not None]
   state = state_bytes_per_device(s)
@@ -180,7 +180,7 @@ def executed_collectives(s, sim) -> list[tuple[str, tuple[str, ...], int]]:
     for st in executed_steps(steps):
       if st.op not in ("gather", "reduce_scatter"):
         continue
-      axes = ir.collective_axes(st.op, phase, s.config)
+      axes = s.roles.collective_axes(st.op, phase)
       if st.op == "gather":
         out.append(("all_gather", tuple(axes["axes"]), sim.wire_bytes(st, phase)))
         continue
@@ -195,7 +195,7 @@ def executed_collectives(s, sim) -> list[tuple[str, tuple[str, ...], int]]:
           )
         )
   if s.data_parallel_size > 1:
-    out += [("all_reduce", s.config.data_axes, n) for n in persistent_reductions_bytes(s)]
+    out += [("all_reduce", s.roles.data_axes, n) for n in persistent_reductions_bytes(s)]
   return out
 
 

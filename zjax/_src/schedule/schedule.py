@@ -15,6 +15,7 @@ import numpy as np
 
 from zjax._src.config import ZeroConfig
 from zjax._src.errors import ScheduleError, ScheduleMismatchError
+from zjax._src.layout.mesh_roles import MeshRoles
 from zjax._src.program.trace import trace_for_schedule
 from zjax._src.schedule import ir, render, report, validate
 
@@ -74,8 +75,9 @@ class Schedule:
   def __post_init__(self):
     if not self.shard_sizes and len(self.config.shard_axes) == 1:
       shards = self.num_devices
-      if self.config.secondary_partition and isinstance(shards, int) and self.replicas:
-        shards //= self.replicas
+      replicas = int(np.prod(self.replica_sizes, dtype=np.int64))
+      if self.config.secondary_partition and isinstance(shards, int) and replicas:
+        shards //= replicas
       object.__setattr__(self, "shard_sizes", (shards,))
     expected = model_fingerprint(self.params, self.num_ops, self.program_hash)
     if not self.fingerprint:
@@ -86,6 +88,7 @@ class Schedule:
         f"table and program ({expected[:12]}...): the table was edited. Regenerate the "
         f"schedule with `zjax inspect ... --save FILE` instead of editing parameters."
       )
+    object.__setattr__(self, "roles", self._roles())
     object.__setattr__(self, "_simulation", validate.validate_schedule(self))
     # the leaves of the sharded layout (rolled stacks as one leaf each), in tree order
     object.__setattr__(self, "storage", ir.storage_leaves(self.params))
@@ -99,30 +102,48 @@ class Schedule:
   def __str__(self) -> str:
     return render.render_schedule(self, self._simulation)
 
+  def _roles(self) -> MeshRoles:
+    """The mesh's roles with this schedule's axis sizes (`roles`)."""
+    config = self.config
+    for field, axes, sizes in (
+      ("replica_sizes", config.replicate_axes, self.replica_sizes),
+      ("shard_sizes", config.shard_axes, self.shard_sizes),
+      ("tensor_sizes", config.tensor_axes, self.tensor_sizes),
+    ):
+      if len(sizes) != len(axes) or any(
+        isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes
+      ):
+        raise ScheduleError(
+          f"{field} {list(sizes)} must give one positive size per axis of {list(axes)}."
+        )
+    names = (*config.replicate_axes, *config.shard_axes, *config.tensor_axes)
+    sizes = (*self.replica_sizes, *self.shard_sizes, *self.tensor_sizes)
+    return MeshRoles.of(config, dict(zip(names, sizes)))
+
   @property
   def replicas(self) -> int:
     """R: how many sharded copies (1 without replicate axes)."""
-    return int(np.prod(self.replica_sizes, dtype=np.int64))
+    return self.roles.replicas
 
   @property
   def shards(self) -> int:
     """S: devices along the shard axes (one sharded copy, or one secondary partition)."""
-    return int(np.prod(self.shard_sizes, dtype=np.int64))
+    return self.roles.shards
 
   @property
   def data_parallel_size(self) -> int:
     """Devices the batch is split over: R x S."""
-    return self.replicas * self.shards
+    return self.roles.data_parallel_size
 
   @property
   def axis_sizes(self) -> dict[str, int]:
     """Size of every data axis, replicate axes first (the row-major device order)."""
-    return dict(zip(self.config.data_axes, (*self.replica_sizes, *self.shard_sizes)))
+    return self.roles.axis_sizes
 
   @property
   def tensor_axis_sizes(self) -> dict[str, int]:
     """Size of every tensor axis (tensor parallelism; empty without)."""
-    return dict(zip(self.config.tensor_axes, self.tensor_sizes))
+    return self.roles.tensor_axis_sizes
 
   def report(self) -> dict:
     """Predicted per-device numbers for one training step, JSON-serialisable."""
@@ -478,7 +499,7 @@ def _parse_step(s, i, phase, config, buckets, in_loop=False) -> ir.Step:
     )
   # the axes a collective spans follow from the config; a file that says otherwise was
   # edited (or made for another mesh layout)
-  for key, expected in ir.collective_axes(op, phase.split()[0], config).items():
+  for key, expected in config.roles.collective_axes(op, phase.split()[0]).items():
     if key in s:
       _expect(
         s[key] == expected,

@@ -49,22 +49,10 @@ def describe_bucket(s, bucket_id: int) -> str:
 def _check_params(s):
   if not isinstance(s.num_devices, int) or s.num_devices < 1:
     raise ScheduleError(f"num_devices must be a positive integer, got {s.num_devices!r}.")
-  for field, axes in (
-    ("replica_sizes", s.config.replicate_axes),
-    ("shard_sizes", s.config.shard_axes),
-  ):
-    sizes = getattr(s, field)
-    if len(sizes) != len(axes) or any(not isinstance(r, int) or r < 1 for r in sizes):
-      raise ScheduleError(
-        f"{field} {list(sizes)} must give one positive size per axis of {list(axes)}."
-      )
-  storage = 1
-  for axis in s.config.storage_axes:
-    storage *= s.axis_sizes[axis]
-  if storage != s.num_devices:
+  if s.roles.storage_size != s.num_devices:  # (Schedule._roles checked each size)
     raise ScheduleError(
       f"num_devices is {s.num_devices}, but the storage axes "
-      f"{list(s.config.storage_axes)} have {storage} devices "
+      f"{list(s.roles.storage_axes)} have {s.roles.storage_size} devices "
       f"(axis sizes {s.axis_sizes})."
     )
   seen = set()
