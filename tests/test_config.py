@@ -1,9 +1,12 @@
 import dataclasses
+import json
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import zjax
+from zjax._src.layout.mesh_roles import MeshRoles
 
 
 def test_defaults_are_deepspeeds():
@@ -97,3 +100,47 @@ def test_quantization_knobs():
       gather_quantization="int8",
       gather_quantization_phases=("forward",),
     )
+
+
+# ---- the mesh's roles ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "config, storage, gather_backward, mean_over",
+  [
+    (zjax.ZeroConfig(), ("fsdp",), ["fsdp"], None),
+    (zjax.ZeroConfig(replicate_axes=("data",)), ("fsdp",), ["fsdp"], ["data"]),
+    (
+      zjax.ZeroConfig(replicate_axes=("data",), secondary_partition=True),
+      ("data", "fsdp"),
+      ["fsdp"],
+      None,
+    ),
+  ],
+  ids=["flat", "hsdp", "hpz"],
+)
+def test_mesh_roles_derive_every_axis_group_once(config, storage, gather_backward, mean_over):
+  """Flat, HSDP and hpZ: which axes store, gather and average, and the sizes that follow,
+  from one value (config.roles without sizes; a schedule's with them)."""
+  sizes = {"data": 2, "fsdp": 4}
+  roles = MeshRoles.of(config, {a: sizes[a] for a in config.data_axes})
+  assert roles == MeshRoles.of(config, {a: sizes[a] for a in config.data_axes})
+  assert roles.storage_axes == storage == config.storage_axes
+  assert roles.collective_axes("gather", "forward") == {"axes": list(storage)}
+  assert roles.collective_axes("gather", "backward") == {"axes": gather_backward}
+  scatter = roles.collective_axes("reduce_scatter", "backward")
+  assert scatter.get("mean_over") == mean_over and scatter["axes"] == list(storage)
+  assert roles.storage_size == int(np.prod([sizes[a] for a in storage]))
+  assert roles.data_parallel_size == int(np.prod([sizes[a] for a in config.data_axes]))
+  assert roles.replicas * roles.shards == roles.data_parallel_size
+
+
+def test_a_schedule_with_sizes_that_do_not_fit_its_axes_is_refused():
+  s = zjax.compile_schedule(
+    lambda p, x: (x @ p["w"]).mean(), {"w": jnp.ones((64, 64))}, jnp.ones((8, 64)), num_devices=8
+  )
+  assert s.roles.axis_sizes == {"fsdp": 8} == s.axis_sizes
+  data = json.loads(s.to_json())
+  data["shard_sizes"] = [4, 2]
+  with pytest.raises(zjax.ScheduleError, match=r"shard_sizes \[4, 2\] must give one positive"):
+    zjax.Schedule.from_json(json.dumps(data))
