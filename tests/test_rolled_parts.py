@@ -174,6 +174,48 @@ def assert_hpz_step_exact(case, schedule, mesh, ref):
   assert set(report["all_gather_bytes_by_axis"]) == {"data+fsdp", "fsdp"}
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [8, 4])
+def test_a_body_cut_into_parts_may_gather_ahead(n):
+  """One body form: a gather issued an iteration ahead (what the planner writes for a
+  whole layer) runs in a body cut into parts too, as a hand edit: the first part's bucket
+  of the next layer arrives while this layer computes, in both directions. Gradients ==
+  plain JAX (fp32 rtol 1e-5), the compiled collectives == the report (still one gather per
+  layer), and the report's peak counts the next layer's bucket."""
+  case = MODELS["gpt"]()
+  config = zjax.ZeroConfig(
+    param_persistence_threshold=0, max_reuse_distance=0, prefetch_bucket_size=0
+  )
+  mesh = jax.make_mesh((n,), ("fsdp",), devices=jax.devices()[:n])
+  planned = zjax.compile_schedule(case.loss_fn, case.params, case.batch, mesh=mesh, config=config)
+  data = json.loads(planned.to_json())
+  for phase in ("forward", "backward"):
+    loop = next(st for st in data[phase] if st["op"] == ir.LOOP_OP)
+    assert len(loop["parts"]) > 1 and loop["body"][0]["op"] == "gather"
+    loop["body"][0].update(prefetch=True, ahead=True)
+  edited = zjax.Schedule.from_json(json.dumps(data))
+  for phase in ("forward", "backward"):  # the loop step's peak: + the next layer's bucket
+    at = next(i for i, st in enumerate(getattr(edited, phase)) if st.op == ir.LOOP_OP)
+    ahead = getattr(edited, phase)[at].body[0].bucket
+    live = [getattr(s._simulation, f"{phase}_live")[at] for s in (planned, edited)]
+    assert live[1] - live[0] == planned._simulation.bucket_bytes[ahead], phase
+  step = zjax.value_and_grad(case.loss_fn, edited, mesh=mesh)
+  sharded = zjax.shard(case.params, edited, mesh)
+  loss, grads = step(sharded, case.batch)
+  ref_loss, ref_grads = reference(case.loss_fn, case.params, case.batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_trees_close(zjax.unshard(grads, edited), ref_grads)
+  compiled = hlo.compile_for_analysis(step.lower(sharded, case.batch))
+  assert_exact(edited, compiled)
+  # ahead, the first layer is gathered before the loop and the last iteration runs after
+  # it: no while loop runs all the layers, as the planned program's do
+  planned_step = zjax.value_and_grad(case.loss_fn, planned, mesh=mesh)
+  planned_text = hlo.compile_for_analysis(planned_step.lower(sharded, case.batch)).as_text()
+  length = rolled_lengths(planned)[0]
+  assert length in hlo.while_loops(planned_text).values()
+  assert length not in hlo.while_loops(compiled.as_text()).values()
+
+
 def test_parted_schedule_round_trips_and_edits_are_checked():
   case = MODELS["gpt"]()
   config = zjax.ZeroConfig(
