@@ -523,3 +523,24 @@ def test_compile_time_script_runs():
     (str(n), v) for n in (1, 2) for v in ("rolled", "unrolled", "scanned", "gspmd")
   ]
   assert all(len(r) == 7 for r in rows)
+
+
+def test_a_whole_layer_body_that_gathers_after_its_recompute_is_refused():
+  """A hand-edited one-part backward body whose re-gathers come after the recompute: the
+  recompute would read weights that are not gathered (zeros), so the executor refuses it,
+  naming the parameter, as it does for a body cut into parts."""
+  loss, params, batch = scan_stack()
+  mesh = mesh_of(8)
+  s = zjax.compile_schedule(
+    loss, params, batch, mesh=mesh, config=zjax.ZeroConfig(param_persistence_threshold=100)
+  )
+  data = s.to_dict()
+  loop = next(st for st in data["backward"] if st["op"] == "loop")
+  assert "parts" not in loop and loop["body"][0]["op"] == "gather"
+  gathers = [dict(st, prefetch=False, ahead=False) for st in loop["body"] if st["op"] == "gather"]
+  rest = [st for st in loop["body"] if st["op"] != "gather"]
+  assert rest[0]["op"] == "recompute"
+  loop["body"] = rest[:1] + gathers + rest[1:]
+  edited = zjax.Schedule.from_json(_dumps(data))  # valid as data: the vjp finds its weights
+  with pytest.raises(zjax.ScheduleMismatchError, match=r"\['[bw]'\] before the recompute"):
+    zjax.value_and_grad(loss, edited, mesh=mesh).lower(zjax.shard(params, edited, mesh), batch)

@@ -311,3 +311,66 @@ def test_a_weight_every_layer_reads_is_regathered_for_the_backward(n):
   assert rolled_lengths(schedule) == [4] and parted_loops(schedule)
   shared = schedule.param("['shared']").bucket
   assert shared in [st.bucket for st in schedule.backward if st.op == "gather"]
+
+
+def reused_weight_layers(d=16, layers=3):
+  """Identical layers that each read their `a` twice, with `b` between (a weight reused
+  in two sub-modules of one layer)."""
+  keys = jax.random.split(jax.random.key(0), 2 * layers + 1)
+  params = {
+    f"layer{i}": {
+      "a": {"w": jax.random.normal(keys[2 * i], (d, d)) / 4},
+      "b": {"w": jax.random.normal(keys[2 * i + 1], (d, d)) / 4},
+    }
+    for i in range(layers)
+  }
+
+  def loss(p, x):
+    for i in range(layers):
+      a, b = p[f"layer{i}"]["a"]["w"], p[f"layer{i}"]["b"]["w"]
+      x = jnp.tanh(jnp.tanh(jnp.tanh(x @ a) @ b) @ a)
+    return jnp.mean(x**2)
+
+  return real_models.Case(loss, params, jax.random.normal(keys[-1], (8, d)))
+
+
+LEAN = zjax.ZeroConfig(param_persistence_threshold=0, max_reuse_distance=0, prefetch_bucket_size=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [8, 4])
+def test_a_weight_read_in_two_parts_of_a_layer(n):
+  """Released after each use (reuse 0), the layer's `a` is gathered for part 0, released,
+  and gathered again for part 2, whose gather is still live when the forward plan ends (it
+  stays into the plan's backward): the body releases it at its end. It was planned, then
+  refused by the validator ("still gathered at the end of the body"). Rolled == unrolled
+  == plain JAX gradients (fp32 rtol 1e-5), collectives == report."""
+  out = rolled_and_unrolled(reused_weight_layers(), LEAN, n=n)
+  (loop,) = parted_loops(out[True])
+  assert [p.buckets for p in loop.parts] == [(0,), (1,), (0,)]
+
+
+def test_a_part_that_lists_other_buckets_than_it_reads_is_refused():
+  """The validator checks that a part's buckets are gathered where it computes, and that a
+  loop's forward and backward steps list the same parts; the executor checks the list is
+  what the part's ops read. A layer that reads its `a` twice, with `b` between, released
+  after each use: `a` is in parts 0 and 2, and a file whose part 2 lists no bucket is
+  valid as data but refused when run (it would read zeros)."""
+  case = reused_weight_layers()
+  mesh = jax.make_mesh((8,), ("fsdp",))
+  s = zjax.compile_schedule(case.loss_fn, case.params, case.batch, mesh=mesh, config=LEAN)
+  data = json.loads(s.to_json())
+  (forward,) = [st for st in data["forward"] if st["op"] == ir.LOOP_OP]
+  assert (
+    len(forward["parts"]) == 3 and forward["parts"][0]["buckets"] == forward["parts"][2]["buckets"]
+  )
+  forward["parts"][2]["buckets"] = []
+  with pytest.raises(ScheduleError, match="other parts than its forward loop step"):
+    zjax.Schedule.from_json(json.dumps(data))
+  (backward,) = [st for st in data["backward"] if st["op"] == ir.LOOP_OP]
+  backward["parts"][2]["buckets"] = []
+  edited = zjax.Schedule.from_json(json.dumps(data))
+  with pytest.raises(zjax.ScheduleMismatchError, match="part 2 lists buckets \\[\\]"):
+    zjax.value_and_grad(case.loss_fn, edited, mesh=mesh).lower(
+      zjax.shard(case.params, edited, mesh), case.batch
+    )

@@ -21,6 +21,7 @@ from jax import lax
 from zjax._src.errors import ScheduleMismatchError
 from zjax._src.execute.execute_loop import Loop, _is_float, _read, _write
 from zjax._src.program import loop_parts, loops, roll
+from zjax._src.schedule import ir
 from zjax._src.train import offload
 
 
@@ -49,9 +50,7 @@ class RolledLoop(Loop):
     self.replicated = [p for p in range(len(run.stacked)) if p not in self.gathered]
     self.inputs = list(run.consts) + list(run.carry_in)
     self.outputs = list(run.outputs)
-    self.parts = (
-      self._parts(forward_step, backward_step) if forward_step.parts else self._whole_layer()
-    )
+    self.parts = self._checked_runner(forward_step)
 
   def _runner(self, whole=False) -> loop_parts.PartRunner:
     members = {b: self.dp.members[b] for b in self.buckets}
@@ -60,40 +59,35 @@ class RolledLoop(Loop):
       self.dp.program, self.run, members, self.dp.s.params, bucket_of, whole
     )
 
-  def _whole_layer(self) -> loop_parts.PartRunner:
-    """The layer as one part; refused if the backward body leaves out a bucket whose values
-    the iteration's backward uses (the recompute would read zeros)."""
-    runner = self._runner(whole=True)
-    if set(self.regathered) == set(self.buckets):
-      return runner
-    _, missing = loop_parts.unused_gathers(runner, self.bodies["backward"])
-    if missing:
-      path = self.dp.s.params[runner.gathered[sorted(missing)[0][2]]].path
-      raise ScheduleMismatchError(
-        f"Segment {self.segment}'s backward loop body does not re-gather {path}, but the "
-        f"backward iteration reads it. Add its bucket's gather (or recompile the schedule)."
-      )
-    return runner
-
-  def _parts(self, forward_step, backward_step) -> loop_parts.PartRunner:
-    """The layer's parts as the schedule cuts them; refused if this program cuts them
-    otherwise, or if the backward body lacks a gather whose values it uses."""
+  def _checked_runner(self, forward_step) -> loop_parts.PartRunner:
+    """The runner of the layer's parts as the schedule cuts them (none: one part, the whole
+    layer); refused if this program cuts them otherwise, or if a backward step reads
+    weights whose bucket is not gathered there (the recompute or vjp would read zeros)."""
     dp, run = self.dp, self.run
-    runner = self._runner()
+    runner = self._runner(whole=not forward_step.parts)
     found = [(run.op_offset + p.start, run.op_offset + p.end) for p in runner.parts]
     stored = [(p.start, p.end) for p in forward_step.parts]
-    if found != stored:
+    if stored and found != stored:
       raise ScheduleMismatchError(
         f"Segment {self.segment}'s loop cuts its layer into parts at ops {stored}, but this "
         f"program's layer cuts at {found}. Recompile the schedule."
       )
-    _, missing = loop_parts.unused_gathers(runner, backward_step.body)
+    for part, io in zip(forward_step.parts, runner.parts):  # what the validator checked
+      reads = tuple(sorted({runner.bucket_of[q] for q in io.positions}))
+      if tuple(sorted(part.buckets)) != reads:
+        raise ScheduleMismatchError(
+          f"Segment {self.segment}'s loop part {part.id} lists buckets {list(part.buckets)}, "
+          f"but its ops read buckets {list(reads)}. Recompile the schedule."
+        )
+    body = self.bodies["backward"]
+    missing = () if _holds_all(body, self.buckets) else loop_parts.unused_gathers(runner, body)[1]
     if missing:
       op, part, q = sorted(missing)[0]
+      what = f"part {part}" if stored else "the layer"
       raise ScheduleMismatchError(
-        f"Segment {self.segment}'s backward loop body: {op} of part {part} reads "
-        f"{dp.s.params[runner.gathered[q]].path}, which is not gathered there. Gather its "
-        f"bucket before that step (or recompile the schedule)."
+        f"Segment {self.segment}'s backward loop body does not gather "
+        f"{dp.s.params[runner.gathered[q]].path} before the {op} of {what}, which reads it. "
+        f"Gather its bucket before that step (or recompile the schedule)."
       )
     return runner
 
@@ -290,6 +284,17 @@ class RolledLoop(Loop):
     return ctx
 
 
+def _holds_all(body, buckets) -> bool:
+  """Whether every bucket is gathered before the body's first compute and none released
+  before its last: no step can read a weight that is not gathered (nothing to trace)."""
+  computes = [k for k, st in enumerate(body) if st.op in ("compute", ir.RECOMPUTE_OP)]
+  if not computes:
+    return True
+  before = {st.bucket for st in body[: computes[0]] if st.op == "gather"}
+  released = any(st.op == "release" for st in body[: computes[-1]])
+  return before >= set(buckets) and not released
+
+
 def _or_ready(ready: dict, gather):
   """gather(bucket, tie), whose first call for a bucket the previous iteration gathered
   ahead is answered from `ready`."""
@@ -324,6 +329,4 @@ class ScanLoop(RolledLoop):
     self.gathered = {p: rows[0] for p, rows in enumerate(self.run.stacked)}
     self.replicated = []
     self.template = roll.template_ops(dp.program, self.run)
-    self.parts = (
-      self._parts(forward_step, backward_step) if forward_step.parts else self._whole_layer()
-    )
+    self.parts = self._checked_runner(forward_step)

@@ -123,7 +123,12 @@ def _parted_body(trace, run, runner, seg, stacked, buckets, elements, config, ro
   first_compute = next(k for k, st in enumerate(forward) if st.op == "compute")
   if not any(st.op == "gather" for st in forward[first_compute:] + backward):
     return None
-  kept = [b for b in stacked if not any(st.op == "release" and st.bucket == b for st in forward)]
+  kept = set()  # gathered at the end of the forward plan (kept into its backward)
+  for st in forward:
+    if st.op == "gather":
+      kept.add(st.bucket)
+    elif st.op == "release":
+      kept.discard(st.bucket)
   as_part = lambda st, op=None: (
     dataclasses.replace(  # noqa: E731
       st, op=op or st.op, segment=seg.id, part=st.segment

@@ -334,6 +334,7 @@ class _Simulator:
     backward_live, grad_live = [], []
     order = range(len(self.s.segments) - 1, -1, -1)
     backward_live = self._run_phase("backward", self.s.backward, order, grad_live)
+    self._check_same_parts()
     self._check_end()
     return Simulation(
       tuple(forward_live),
@@ -479,6 +480,17 @@ class _Simulator:
         f"ahead (or raise the cap)."
       )
     return peak + sum(self.bytes[b] for b in ahead)
+
+  def _check_same_parts(self):
+    """A loop's forward and backward steps cut its layer the same way (the executor runs
+    both directions with the forward step's parts)."""
+    forward = {st.segment: st.parts for st in self.s.forward if st.op == ir.LOOP_OP}
+    for i, st in enumerate(self.s.backward):
+      if st.op == ir.LOOP_OP and forward.get(st.segment) != st.parts:
+        raise ScheduleError(
+          f"backward step {i}: the loop over segment {st.segment} lists other parts than its "
+          f"forward loop step; both must cut the layer the same way."
+        )
 
   def _whole_layer(self, seg, stacked, step, phase) -> ir.Segment:
     """The one part of a loop body without parts: the whole layer, which reads every
