@@ -337,17 +337,46 @@ def reused_weight_layers(d=16, layers=3):
 LEAN = zjax.ZeroConfig(param_persistence_threshold=0, max_reuse_distance=0, prefetch_bucket_size=0)
 
 
+def scanned_reused_weight_layers(d=16, layers=3):
+  """The same layers as a lax.scan over stacked `a` and `b`."""
+  keys = jax.random.split(jax.random.key(1), 3)
+  params = {
+    "a": {"w": jax.random.normal(keys[0], (layers, d, d)) / 4},
+    "b": {"w": jax.random.normal(keys[1], (layers, d, d)) / 4},
+  }
+
+  def loss(p, x):
+    def layer(x, weights):
+      a, b = weights
+      return jnp.tanh(jnp.tanh(jnp.tanh(x @ a) @ b) @ a), None
+
+    return jnp.mean(jax.lax.scan(layer, x, (p["a"]["w"], p["b"]["w"]))[0] ** 2)
+
+  return loss, params, jax.random.normal(keys[2], (8, d))
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("reduction", ["once", "per_gather"])
 @pytest.mark.parametrize("n", [8, 4])
-def test_a_weight_read_in_two_parts_of_a_layer(n):
-  """Released after each use (reuse 0), the layer's `a` is gathered for part 0, released,
+def test_a_weight_read_in_two_parts_of_a_layer(n, reduction):
+  """Released after each use (reuse 0), a layer's `a` is gathered for part 0, released,
   and gathered again for part 2, whose gather is still live when the forward plan ends (it
-  stays into the plan's backward): the body releases it at its end. It was planned, then
-  refused by the validator ("still gathered at the end of the body"). Rolled == unrolled
-  == plain JAX gradients (fp32 rtol 1e-5), collectives == report."""
-  out = rolled_and_unrolled(reused_weight_layers(), LEAN, n=n)
+  stays into the plan's backward): the body releases it at its end (it was planned, then
+  refused by the validator: "still gathered at the end of the body"). Under per_gather
+  each of those gathers' gradients is reduce-scattered, and the two add up in the layer's
+  row (the second overwrote the first: wrong gradients). Rolled == unrolled == plain JAX
+  gradients (fp32 rtol 1e-5), collectives == report; the same for the layers as a scan."""
+  config = dataclasses.replace(LEAN, gradient_reduction=reduction)
+  out = rolled_and_unrolled(reused_weight_layers(), config, n=n)
   (loop,) = parted_loops(out[True])
   assert [p.buckets for p in loop.parts] == [(0,), (1,), (0,)]
+  scanned, compiled = assert_parity(*scanned_reused_weight_layers(), n=n, config=config)
+  assert_exact(scanned, compiled)
+  (loop,) = parted_loops(scanned)
+  assert [p.buckets for p in loop.parts] == [(0,), (1,), (0,)]
+  (backward,) = [st for st in scanned.backward if st.op == ir.LOOP_OP]
+  scatters = [st.bucket for st in backward.body if st.op == "reduce_scatter"]
+  assert scatters.count(0) == (2 if reduction == "per_gather" else 1)
 
 
 def test_a_part_that_lists_other_buckets_than_it_reads_is_refused():

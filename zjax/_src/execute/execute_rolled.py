@@ -189,8 +189,9 @@ class RolledLoop(Loop):
       gather = self._gatherer(_read(shards, layer), "backward", _read(stacks, layer))
       chunks = {}
 
-      def scatter(b, layer_grads):
-        chunks.update(self.scatter_layer(layer_grads, buckets=[b]))
+      def scatter(b, layer_grads):  # (per_gather: a bucket gathered twice scatters twice)
+        for i, chunk in self.scatter_layer(layer_grads, buckets=[b]).items():
+          chunks[i] = chunks[i] + chunk if i in chunks else chunk
 
       cts = loop_parts.walk_backward(
         self.parts,
