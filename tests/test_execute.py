@@ -402,6 +402,9 @@ def test_bad_batch_and_mismatched_schedule():
   bad = {"x": batch["x"][:12], "y": batch["y"][:12]}
   with pytest.raises(zjax.ZjaxError, match=r"Batch leaf \['x'\] .* 12, not divisible by the 8"):
     step(sharded, bad)
+  bare = lambda p, x: jnp.mean(x @ p["layer0"]["kernel"])  # noqa: E731 (a bare-array batch)
+  with pytest.raises(zjax.ZjaxError, match=r"^The batch has leading .* 12, not divisible"):
+    zjax.value_and_grad(bare, schedule, mesh=mesh)(sharded, batch["x"][:12])
   other_loss = lambda p, b: jnp.mean(jax.nn.relu(b["x"] @ p["layer0"]["kernel"]))
   with pytest.raises(zjax.ScheduleMismatchError):
     zjax.value_and_grad(other_loss, schedule, mesh=mesh)(sharded, batch)

@@ -3,6 +3,8 @@
 All are ValueError subclasses so that callers who catch ValueError keep working.
 """
 
+import jax
+
 
 class ZjaxError(ValueError):
   """Base class of every error zjax raises about user input."""
@@ -18,3 +20,8 @@ class ScheduleError(ZjaxError):
 
 class ScheduleMismatchError(ZjaxError):
   """A schedule was made for another model (parameter structure or use order differ)."""
+
+
+def batch_leaf(path) -> str:
+  """How an error names a batch leaf: "Batch leaf ['x']", or "The batch" for a bare array."""
+  return f"Batch leaf {jax.tree_util.keystr(path)}" if path else "The batch"

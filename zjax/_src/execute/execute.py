@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from zjax._src.errors import ScheduleMismatchError, ZjaxError
+from zjax._src.errors import ScheduleMismatchError, ZjaxError, batch_leaf
 from zjax._src.execute import bucket_comm
 from zjax._src.execute.execute_rolled import RolledLoop, ScanLoop
 from zjax._src.layout import layout
@@ -103,12 +103,12 @@ class _Runner:
 
   def _batch_specs(self, batch):
     def spec(path, x):
-      name = jax.tree_util.keystr(path)
+      name = batch_leaf(path)
       if np.ndim(x) == 0:
         return P()
       if is_key(x):
         raise ZjaxError(
-          f"Batch leaf {name} is an array of PRNG keys of shape {tuple(x.shape)}; zjax "
+          f"{name} is an array of PRNG keys of shape {tuple(x.shape)}; zjax "
           f"splits batch leaves over the devices and folds each device's position into "
           f"0-d keys (ZeroConfig.fold_rng_keys). Pass one key, jax.random.key(seed), and "
           f"draw per-example randomness inside the loss."
@@ -121,7 +121,7 @@ class _Runner:
           else ""
         )
         raise ZjaxError(
-          f"Batch leaf {name} has leading (global batch) dimension "
+          f"{name} has leading (global batch) dimension "
           f"{x.shape[0]}, not divisible by the {self.data_parallel} devices of "
           f"the data axes {self.data_axes}. Use a global batch that is a "
           f"multiple of {self.data_parallel}.{hint}"

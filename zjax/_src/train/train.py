@@ -19,7 +19,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zjax._src.errors import ScheduleMismatchError, ZjaxError
+from zjax._src.errors import ScheduleMismatchError, ZjaxError, batch_leaf
 from zjax._src.execute.execute import is_key, value_and_grad
 from zjax._src.layout import layout
 from zjax._src.schedule import ir
@@ -344,7 +344,7 @@ def _micro_batch_hint(batch, k) -> str:
 def _split_leading(path, x, k, mesh, data_parallel):
   if x.shape[0] % (k * data_parallel):
     raise ZjaxError(
-      f"Batch leaf {jax.tree_util.keystr(path)} has leading dimension {x.shape[0]}: "
+      f"{batch_leaf(path)} has leading dimension {x.shape[0]}: "
       f"accumulation_steps={k} splits it into {k} micro-batches, each split over the "
       f"{data_parallel} devices of the data axes, so it must be a multiple of "
       f"{k} x {data_parallel} = {k * data_parallel}. Use such a batch, or fewer "
