@@ -56,12 +56,12 @@ def rolled_body(
   plan says (or `whole`). Raises DoNotRoll where the run cannot keep the knobs (the
   unrolled plan decides). `tensor_parallel`: also find what the backward iteration
   executes (LoopBody.backward_ops)."""
-  runner, stacked = _runner(trace, run, seg, buckets, bucket_of, entries)
   body = None
   if not whole:
+    runner, stacked = _runner(trace, run, seg, buckets, bucket_of, entries)
     body = _parted_body(trace, run, runner, seg, stacked, buckets, elements, config, rolling)
   if body is None:
-    runner, _ = _runner(trace, run, seg, buckets, bucket_of, entries, whole=True)
+    runner, stacked = _runner(trace, run, seg, buckets, bucket_of, entries, whole=True)
     body = _whole_body(runner, seg, stacked, buckets, elements, config)
   if not tensor_parallel:
     return body

@@ -414,7 +414,7 @@ class _Simulator:
         f"and a whole number of layers ({step.length} layers, ops "
         f"[{seg.start}, {seg.end}))."
       )
-    parts = step.parts or (self._whole_layer(seg, stacked, step, phase),)
+    parts = step.parts or (self._whole_layer(seg, stacked, step),)
     if step.parts:
       self._check_parts(seg, step, stacked, where)
     order = list(range(len(parts)))
@@ -473,7 +473,7 @@ class _Simulator:
       )
     # the next layer's buckets gathered ahead arrive while this layer's are in use
     peak_elements += sum(self.elements[b] for b in ahead)
-    if peak_elements > self.cap:
+    if ahead and peak_elements > self.cap:
       raise ScheduleError(
         f"{where}: gathering the next layer ahead makes {peak_elements} parameter "
         f"elements live, above max_live_parameters={self.cap}. Remove the body gathers' "
@@ -492,7 +492,7 @@ class _Simulator:
           f"forward loop step; both must cut the layer the same way."
         )
 
-  def _whole_layer(self, seg, stacked, step, phase) -> ir.Segment:
+  def _whole_layer(self, seg, stacked, step) -> ir.Segment:
     """The one part of a loop body without parts: the whole layer, which reads every
     stacked bucket (backward: those with a gradient, and those its body gathers; the
     executor checks that the others are not read)."""
