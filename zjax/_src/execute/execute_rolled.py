@@ -190,8 +190,8 @@ class RolledLoop(Loop):
       chunks = {}
 
       def scatter(b, layer_grads):  # (per_gather: a bucket gathered twice scatters twice)
-        for i, chunk in self.scatter_layer(layer_grads, buckets=[b]).items():
-          chunks[i] = chunks[i] + chunk if i in chunks else chunk
+        for param, chunk in self.scatter_layer(layer_grads, buckets=[b]).items():
+          chunks[param] = chunks[param] + chunk if param in chunks else chunk
 
       cts = loop_parts.walk_backward(
         self.parts,
