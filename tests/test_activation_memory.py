@@ -89,19 +89,22 @@ def test_a_step_without_one_shard_map_is_refused():
     am.step_footprint(jax.jit(lambda x: x + 1), X)
 
 
+SHARDED = zjax.ZeroConfig(param_persistence_threshold=0)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("n", [8, 4])
 @pytest.mark.parametrize(
-  "name,config",
+  "name,config,n",
   [
-    ("llama", zjax.ZeroConfig()),
-    ("bert", zjax.ZeroConfig(param_persistence_threshold=0)),
-    ("encdec", zjax.ZeroConfig(param_persistence_threshold=0)),
-    ("griffin", zjax.ZeroConfig(param_persistence_threshold=0)),
+    ("llama", zjax.ZeroConfig(), 8),
+    ("llama", zjax.ZeroConfig(), 4),
+    ("encdec", SHARDED, 8),
+    ("encdec", SHARDED, 4),
+    ("bert", SHARDED, 8),
   ],
-  ids=["llama", "bert-sharded", "encdec-sharded", "griffin-sharded"],
+  ids=["llama-8", "llama-4", "encdec-sharded-8", "encdec-sharded-4", "bert-sharded-8"],
 )
-def test_the_predicted_footprint_is_near_the_analysis_compile(n, name, config):
+def test_the_predicted_footprint_is_near_the_analysis_compile(name, config, n):
   """Today's accuracy (docs/results.md, "An activation model"): arguments and outputs
   exact, the footprint within 15% on these models; the measured range over the suite's
   models is 0.58-1.20x, so this is a floor to improve on, not the target (10%)."""
