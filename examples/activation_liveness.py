@@ -31,7 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import real_models  # noqa: E402
 import zjax  # noqa: E402
-from zjax._src.layout import layout  # noqa: E402
+from helpers import case_step  # noqa: E402
 from zjax._src.plan.activation_memory import step_footprint  # noqa: E402
 from zjax.models.gpt import GPT, GPTConfig, make_loss_fn  # noqa: E402
 
@@ -62,12 +62,7 @@ def configs(name):
 
 def compared(case, config, mesh):
   """(predicted Footprint, compiled footprint, compiled temp)."""
-  schedule = zjax.compile_schedule(
-    case.loss_fn, case.params, case.batch, mesh=mesh, config=config, extra=case.extra
-  )
-  step = zjax.value_and_grad(case.loss_fn, schedule, mesh=mesh)
-  args = (layout.abstract_storage(schedule, mesh), case.batch)
-  args += (case.extra,) if case.extra is not None else ()
+  step, args = case_step(case, config, mesh)
   m = zjax.hlo.compile_for_analysis(step.lower(*args)).memory_analysis()
   compiled = (
     m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes

@@ -95,16 +95,24 @@ def _jitted_init(model, kwargs):
   return jax.jit(functools.partial(model.init, **dict(kwargs)))
 
 
-def case_temp(case, config, n=8):
-  """Compiled temp per device of zjax's gradient step for a `real_models.Case` (with its
-  batch statistics, `extra`), compiled for analysis."""
-  mesh = mesh_of(n)
+def case_step(case, config, mesh):
+  """(zjax's gradient step for a `real_models.Case`, its abstract arguments: the sharded
+  layout as ShapeDtypeStructs, the batch and the batch statistics `extra` if any)."""
+  from zjax._src.layout import layout
+
   schedule = zjax.compile_schedule(
     case.loss_fn, case.params, case.batch, mesh=mesh, config=config, extra=case.extra
   )
   step = zjax.value_and_grad(case.loss_fn, schedule, mesh=mesh)
-  lowered = step.lower(zjax.shard(case.params, schedule, mesh), case.batch, case.extra)
-  return zjax.hlo.compile_for_analysis(lowered).memory_analysis().temp_size_in_bytes
+  args = (layout.abstract_storage(schedule, mesh), case.batch)
+  return step, args + ((case.extra,) if case.extra is not None else ())
+
+
+def case_temp(case, config, n=8):
+  """Compiled temp per device of zjax's gradient step for a `real_models.Case` (with its
+  batch statistics, `extra`), compiled for analysis."""
+  step, args = case_step(case, config, mesh_of(n))
+  return zjax.hlo.compile_for_analysis(step.lower(*args)).memory_analysis().temp_size_in_bytes
 
 
 def reference(loss_fn, params, batch):

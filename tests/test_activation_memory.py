@@ -10,8 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import real_models
 import zjax
-from helpers import mesh_of
-from zjax._src.layout import layout
+from helpers import case_step, mesh_of
 from zjax._src.plan import activation_memory as am
 
 X = jax.ShapeDtypeStruct((1024,), jnp.float32)  # 4 KiB
@@ -109,13 +108,7 @@ def test_the_predicted_footprint_is_near_the_analysis_compile(name, config, n):
   exact, the footprint within 15% on these models; the measured range over the suite's
   models is 0.58-1.20x, so this is a floor to improve on, not the target (10%)."""
   case = getattr(real_models, name)(batch_size=n if name in ("llama", "bert") else 2 * n)
-  mesh = mesh_of(n)
-  schedule = zjax.compile_schedule(
-    case.loss_fn, case.params, case.batch, mesh=mesh, config=config, extra=case.extra
-  )
-  step = zjax.value_and_grad(case.loss_fn, schedule, mesh=mesh)
-  args = (layout.abstract_storage(schedule, mesh), case.batch)
-  args += (case.extra,) if case.extra is not None else ()
+  step, args = case_step(case, config, mesh_of(n))
   m = zjax.hlo.compile_for_analysis(step.lower(*args)).memory_analysis()
   predicted = am.step_footprint(step, *args)
   assert predicted.arguments == m.argument_size_in_bytes
