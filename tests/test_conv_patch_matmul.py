@@ -137,6 +137,69 @@ def _rule_against_lax(image_shape, kernel_shape, conv_args):
   return list(zip([out2, *jax.jit(vjp2)(ct)], [out, *vjp(ct)]))
 
 
+# Shapes whose window has taps that read only padding, for every output: (image, kernel,
+# conv args, the live taps per window dim as (first, last + 1)).
+DEAD_TAPS = {
+  "1x1_same": ((2, 1, 1, 8), (3, 3, 8, 4), CONVS["nhwc"][2], ((1, 2), (1, 2))),
+  "2x3_wide_kernel": (  # 5x5 on 2x3, SAME: rows 1-3 reach the image, columns 0-4 all do
+    (2, 2, 3, 8),
+    (5, 5, 8, 4),
+    dict(CONVS["nhwc"][2]),
+    ((1, 4), (0, 5)),
+  ),
+  "dilated_oihw": (  # dilation 2 on 2x2, padding 2: only the centre tap reads the image
+    (2, 8, 2, 2),
+    (4, 8, 3, 3),
+    dict(
+      dimension_numbers=("NCHW", "OIHW", "NCHW"),
+      window_strides=(1, 1),
+      padding=((2, 2), (2, 2)),
+      rhs_dilation=(2, 2),
+    ),
+    ((1, 2), (1, 2)),
+  ),
+  "strided_ohwi": (  # stride 2 on 1x3: the first row of taps is always padding
+    (2, 1, 3, 8),
+    (4, 2, 3, 8),
+    dict(
+      dimension_numbers=("NHWC", "OHWI", "NHWC"),
+      window_strides=(2, 2),
+      padding=((1, 0), (1, 1)),
+    ),
+    ((1, 2), (0, 3)),
+  ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DEAD_TAPS))
+def test_taps_that_read_only_padding_are_left_out_and_get_zero_gradients(name):
+  """The rule sums only over window taps that reach the image for some output; the others'
+  kernel gradient is exactly zero (as lax's: their products are all with padding), the
+  output and the image cotangent equal lax's."""
+  image_shape, kernel_shape, conv_args, live = DEAD_TAPS[name]
+  image = jnp.zeros(image_shape)
+  op = conv_op(image, jnp.zeros(kernel_shape), **conv_args)
+  taps, _ = conv_rule._live_taps(image_shape, kernel_shape, op.eqn.params)
+  spatial = op.eqn.params["dimension_numbers"].rhs_spec[2:]
+  assert [
+    (taps[d].start, taps[d].stop) if taps[d] != slice(None) else (0, kernel_shape[d])
+    for d in spatial
+  ] == list(live)
+  pairs = _rule_against_lax(image_shape, kernel_shape, conv_args)
+  for got, want in pairs:
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  kernel_ct = np.asarray(pairs[2][0])
+  dead = np.ones(kernel_shape, bool)
+  dead[tuple(taps)] = False
+  assert dead.any() and np.all(kernel_ct[dead] == 0.0)
+
+
+def test_a_window_that_reaches_the_image_everywhere_is_kept_whole():
+  image_shape, kernel_shape, conv_args = CONVS["nhwc"]
+  op = conv_op(jnp.zeros(image_shape), jnp.zeros(kernel_shape), **conv_args)
+  assert conv_rule._live_taps(image_shape, kernel_shape, op.eqn.params) is None
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CONVS) + sorted(WIDE_CONVS))
 def test_patch_matmuls_equal_the_convolution_and_its_vjp(name):
@@ -403,12 +466,14 @@ def test_wide_kernels_sum_in_lanes_without_copying_the_kernel(name, monkeypatch)
 @pytest.mark.parametrize("name", sorted(WIDE_CONVS))
 @pytest.mark.usefixtures("fully_optimized")  # rounding, as users' programs round
 def test_the_rule_is_as_accurate_as_xlas_convolution(name):
-  """Per op, against fp64: the rule's forward and both cotangents are within 1.35x of XLA's
+  """Per op, against fp64: the rule's forward and both cotangents are within 1.25x of XLA's
   convolution's error (issue 42). In one running sum per output (no lanes) the forward
   was 1.8-3.4x XLA's error on these shapes, the image cotangent up to 1.8x. Measured
-  (2026-12-06, the mean of 4 draws): 0.67-1.05x at 2 samples per device; at 16, where
-  the lanes' budget allows fewer, up to 1.12x (HWIO forward) and 1.30x (OIHW input
-  cotangent); on a 4x4 image, where XLA's convolution is 4x less accurate than on 1x1,
-  0.31-0.36x."""
+  (2026-12-07, the mean of 4 draws): 0.98-1.03x on 1x1 images at 2 and 16 samples per
+  device (the sums run over the centre tap only, in lanes budgeted by the whole kernel;
+  before, 16 samples reached 1.12x and 1.30x); 0.67-1.01x elsewhere but the forwards of
+  kernels with their output features first on 2x2 and 3x2 images, 1.14x (OIHW) and 1.21x
+  (OHWI, strided), where few interleaved lanes fit their budget; on a 4x4 image, where
+  XLA's convolution is 4x less accurate than on 1x1, 0.31-0.36x."""
   xla, rule = conv_rule_accuracy.measure(*WIDE_CONVS[name], seeds=4)
-  assert np.all(rule <= 1.35 * xla), (rule / xla, rule, xla)
+  assert np.all(rule <= 1.25 * xla), (rule / xla, rule, xla)

@@ -44,8 +44,47 @@ def conv_as_patch_matmul(op, image_differentiated: bool):
   whose window is wider than its image, reversed, or transposed for the input cotangent)
   and emitted the kernel gradient input-features-major ([I, H, W, O] for an HWIO kernel),
   copied again for the reduce-scatter: each copy as large as the network's largest buffer
-  (ResNet-18's last stage, 9 MiB)."""
-  p = op.eqn.params
+  (ResNet-18's last stage, 9 MiB).
+
+  Window taps that read only padding for every output (a 3x3 kernel on a 1x1 image: all
+  but the centre) are left out, their kernel gradient exactly zero: the sums then run over
+  the products that are not zero by construction, and need no patches of zeros."""
+  lhs, rhs = (v.aval.shape for v in op.eqn.invars)
+  trimmed = _live_taps(lhs, rhs, op.eqn.params)
+  if trimmed is None:
+    return _patch_conv(op, op.eqn.params, image_differentiated)
+  taps, params = trimmed
+  conv = _patch_conv(op, params, image_differentiated)
+  return lambda lhs, rhs: conv(lhs, rhs[taps])
+
+
+def _live_taps(lhs_shape, rhs_shape, p):
+  """(an index of the kernel's taps that read the image for some output, the convolution's
+  params with the padding for those taps), or None where every tap does."""
+  if any(d != 1 for d in p["lhs_dilation"]):
+    return None
+  dn = p["dimension_numbers"]
+  taps, padding = [slice(None)] * len(rhs_shape), list(p["padding"])
+  for i, (image_dim, kernel_dim) in enumerate(zip(dn.lhs_spec[2:], dn.rhs_spec[2:])):
+    size, k = lhs_shape[image_dim], rhs_shape[kernel_dim]
+    stride, dilation, (lo, hi) = p["window_strides"][i], p["rhs_dilation"][i], padding[i]
+    outputs = (size + lo + hi - dilation * (k - 1) - 1) // stride + 1
+    live = [
+      t for t in range(k) if any(0 <= o * stride + t * dilation - lo < size for o in range(outputs))
+    ]
+    if not live or (live[0], live[-1]) == (0, k - 1):
+      continue
+    lo, hi = lo - live[0] * dilation, hi - (k - 1 - live[-1]) * dilation
+    if lo >= 0 and hi >= 0:  # (the outputs stay where they were)
+      taps[kernel_dim], padding[i] = slice(live[0], live[-1] + 1), (lo, hi)
+  if all(t == slice(None) for t in taps):
+    return None
+  return tuple(taps), {**p, "padding": tuple(padding)}
+
+
+def _patch_conv(op, p, image_differentiated):
+  """The rule for `op` with convolution params `p` (its own, or trimmed to its live taps)."""
+  budget_of = int(np.prod(op.eqn.invars[1].aval.shape))  # the whole kernel's elements
   dn = p["dimension_numbers"]
   feature = dn.out_spec[1]
   out_dtype = op.eqn.outvars[0].aval.dtype
@@ -59,7 +98,9 @@ def conv_as_patch_matmul(op, image_differentiated: bool):
     k = rhs.ndim - 1  # the window's dims: the kernel's, less its output features
     window = [d for d in range(rhs.ndim) if d != dn.rhs_spec[0]]
     split = window.index(dn.rhs_spec[1])  # the sum runs in lanes over input features
-    out = _lane_dot(rhs, patches, window, range(patches.ndim - k, patches.ndim), split, matmul)
+    out = _lane_dot(
+      rhs, patches, window, range(patches.ndim - k, patches.ndim), split, matmul, budget_of
+    )
     return jnp.moveaxis(out, -1, feature).astype(out_dtype)
 
   def forward(lhs, rhs):
@@ -70,7 +111,7 @@ def conv_as_patch_matmul(op, image_differentiated: bool):
     patches, unpatch = jax.vjp(lambda x: _patch_matrix(x, rhs.shape, p), lhs)
     k = rhs.ndim - 1
     n = patches.ndim - k  # the output's batch and spatial dims
-    patches_ct = _lane_dot(rhs, ct, [dn.rhs_spec[0]], [feature], 0, matmul)
+    patches_ct = _lane_dot(rhs, ct, [dn.rhs_spec[0]], [feature], 0, matmul, budget_of)
     if image_differentiated:
       # The kernel's last read before its gradient is made, so that the two are never live
       # together (ResNet-18's layout at width 32 on 16x16 images: 5.3 -> 3.0 MiB of temp).
@@ -93,14 +134,15 @@ def conv_as_patch_matmul(op, image_differentiated: bool):
 # XLA's convolution (which this rule replaces) on 1x1 and 2x2 images, 0.3-1.3x with the
 # partial sums (tests/test_conv_patch_matmul.py, against fp64).
 MAX_LANES = 32
-# What the lanes may add to the matmul's buffers, as a fraction of the kernel: the partial
-# outputs of contiguous chunks (on CPU, XLA fuses their sum into the matmul: measured, no
-# temp added), and the block-diagonal copy of interleaved lanes (a buffer of its own).
+# What the lanes may add to the matmul's buffers, as a fraction of the whole kernel (its
+# taps left out or not): the partial outputs of contiguous chunks (on CPU, XLA fuses their
+# sum into the matmul: measured, no temp added), and the block-diagonal copy of interleaved
+# lanes (a buffer of its own).
 CHUNKS_BUDGET = 1
 INTERLEAVED_BUDGET = 1 / 4
 
 
-def _lane_dot(kernel, other, kernel_dims, other_dims, split, matmul):
+def _lane_dot(kernel, other, kernel_dims, other_dims, split, matmul, budget_of):
   """`other` times `kernel`, contracting `kernel_dims` with `other_dims`, as a dims-ordered
   [other's free dims, kernel's free dims]; each output's sum over the `split`-th pair of
   them cut into lanes, summed apart and then added: the rounding error of a sum of n
@@ -123,7 +165,7 @@ def _lane_dot(kernel, other, kernel_dims, other_dims, split, matmul):
   kernel_dims, other_dims, split = list(kernel_dims), list(other_dims), kernel_dims.index(kd)
   size = kernel.shape[kd]
   chunked = split == kd  # (sorted: every dim before kd is summed too)
-  lanes = _lanes(kernel, other, kernel_dims, split, chunked)
+  lanes = _lanes(kernel, other, kernel_dims, split, budget_of, chunked)
   kernel_first = 0 not in kernel_dims
   kernel_free = kernel.ndim - len(kernel_dims)
 
@@ -159,7 +201,7 @@ def _lane_dot(kernel, other, kernel_dims, other_dims, split, matmul):
   return out.sum(other.ndim - len(other_dims) - 1)
 
 
-def _lanes(kernel, other, kernel_dims, split, chunked) -> int:
+def _lanes(kernel, other, kernel_dims, split, budget_of, chunked) -> int:
   """The most lanes, a power of two up to `MAX_LANES` dividing the split dim, whose extra
   buffer fits its budget: the partial outputs (one per lane and per leading kernel
   index) if `chunked`, else the block-diagonal copy of `other`."""
@@ -169,7 +211,7 @@ def _lanes(kernel, other, kernel_dims, split, chunked) -> int:
     per_lane = int(np.prod(kernel.shape[:kd])) * (kernel.size // summed) * (other.size // summed)
   else:
     per_lane = other.size
-  budget = (CHUNKS_BUDGET if chunked else INTERLEAVED_BUDGET) * kernel.size
+  budget = (CHUNKS_BUDGET if chunked else INTERLEAVED_BUDGET) * budget_of
   lanes = MAX_LANES
   while lanes > 1 and (kernel.shape[kd] % lanes or per_lane * lanes > budget):
     lanes //= 2
