@@ -433,6 +433,23 @@ def test_as_accurate_as_plain_fp32_on_an_ill_conditioned_resnet(rule, monkeypatc
   assert got <= 1.25 * plain, (got, plain)
 
 
+# Forwards whose interleaved lanes do not fit MIN_FORWARD_LANES: XLA's convolution runs them
+# (as accurate as itself; it copies the kernel, the memory the rule saves elsewhere).
+FORWARD_BY_XLA = {"oihw_2x2", "ohwi_strided"}
+
+
+def _kernel_sized_copies(text, kernel_shape) -> list:
+  kernel_elems = int(np.prod(kernel_shape))
+  return [
+    line
+    for line in text.splitlines()
+    if (" copy(" in line or " transpose(" in line)
+    and line.split("=")[1].split("{")[0].strip().startswith("f32[")
+    and int(np.prod([int(d) for d in line.split("f32[")[1].split("]")[0].split(",") if d]))
+    >= kernel_elems
+  ]
+
+
 @pytest.mark.parametrize("name", sorted(WIDE_CONVS))
 def test_wide_kernels_sum_in_lanes_without_copying_the_kernel(name, monkeypatch):
   image_shape, kernel_shape, conv_args = WIDE_CONVS[name]
@@ -443,37 +460,36 @@ def test_wide_kernels_sum_in_lanes_without_copying_the_kernel(name, monkeypatch)
     conv_rule, "_lanes", lambda *args: picked.append((args[-1], lanes(*args))) or picked[-1][1]
   )
   patched = conv_rule.conv_as_patch_matmul(conv_op(image, kernel, **conv_args), True)
-  text = jax.jit(lambda x, w: jax.vjp(patched, x, w)[1](patched(x, w))).lower(image, kernel)
-  text = text.compile().as_text()
+  step = jax.jit(lambda x, w: jax.vjp(patched, x, w)[1](patched(x, w)))
+  text = step.lower(image, kernel).compile().as_text()
   # the forward and the image cotangent: one chunked, the other interleaved (which is
   # which depends on where the kernel keeps its output features), both in lanes
   assert {chunked for chunked, _ in picked} == {False, True}, picked
   assert all(2 <= n <= conv_rule.MAX_LANES for _, n in picked), picked
-  # the kernel is only ever bitcast: no copy or transpose of its size (the rule's point)
-  kernel_elems = int(np.prod(kernel_shape))
-  copies = [
-    line
-    for line in text.splitlines()
-    if (" copy(" in line or " transpose(" in line)
-    and line.split("=")[1].split("{")[0].strip().startswith("f32[")
-    and int(np.prod([int(d) for d in line.split("f32[")[1].split("]")[0].split(",") if d]))
-    >= kernel_elems
-  ]
-  assert not copies, copies
+  few = [n for chunked, n in picked if not chunked and n < conv_rule.MIN_FORWARD_LANES]
+  assert bool(few) == (name in FORWARD_BY_XLA), picked
+  backward = jax.jit(lambda x, w, ct: jax.vjp(patched, x, w)[1](ct))
+  out = jax.eval_shape(patched, image, kernel)
+  backward = backward.lower(image, kernel, jnp.ones(out.shape)).compile().as_text()
+  # the kernel is only ever bitcast: no copy or transpose of its size (the rule's point);
+  # where XLA's convolution runs the forward, it copies the kernel there, never backward
+  assert not _kernel_sized_copies(backward, kernel_shape)
+  copies = _kernel_sized_copies(text, kernel_shape)
+  assert bool(copies) == (name in FORWARD_BY_XLA), copies
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(WIDE_CONVS))
 @pytest.mark.usefixtures("fully_optimized")  # rounding, as users' programs round
 def test_the_rule_is_as_accurate_as_xlas_convolution(name):
-  """Per op, against fp64: the rule's forward and both cotangents are within 1.25x of XLA's
-  convolution's error (issue 42). In one running sum per output (no lanes) the forward
-  was 1.8-3.4x XLA's error on these shapes, the image cotangent up to 1.8x. Measured
-  (2026-12-07, the mean of 4 draws): 0.98-1.03x on 1x1 images at 2 and 16 samples per
-  device (the sums run over the centre tap only, in lanes budgeted by the whole kernel;
-  before, 16 samples reached 1.12x and 1.30x); 0.67-1.01x elsewhere but the forwards of
-  kernels with their output features first on 2x2 and 3x2 images, 1.14x (OIHW) and 1.21x
-  (OHWI, strided), where few interleaved lanes fit their budget; on a 4x4 image, where
-  XLA's convolution is 4x less accurate than on 1x1, 0.31-0.36x."""
+  """Per op, against fp64: the rule's forward and both cotangents are within 1.1x of XLA's
+  convolution's error (issue 42; room for another CPU's summation order). In one running
+  sum per output (no lanes) the forward was 1.8-3.4x XLA's error on these shapes, the
+  image cotangent up to 1.8x. Measured (2026-12-07, the mean of 4 draws): 0.98-1.03x on
+  1x1 images at 2 and 16 samples per device (the sums run over the centre tap only, in
+  lanes budgeted by the whole kernel; before, 16 samples reached 1.12x and 1.30x);
+  0.67-1.01x on 2x2 images, the forwards of kernels with their output features first
+  there XLA's own (with 4 and 2 interleaved lanes they were 1.14x and 1.21x); on a 4x4
+  image, where XLA's convolution is 4x less accurate than on 1x1, 0.31-0.36x."""
   xla, rule = conv_rule_accuracy.measure(*WIDE_CONVS[name], seeds=4)
-  assert np.all(rule <= 1.25 * xla), (rule / xla, rule, xla)
+  assert np.all(rule <= 1.1 * xla), (rule / xla, rule, xla)

@@ -48,7 +48,9 @@ def conv_as_patch_matmul(op, image_differentiated: bool):
 
   Window taps that read only padding for every output (a 3x3 kernel on a 1x1 image: all
   but the centre) are left out, their kernel gradient exactly zero: the sums then run over
-  the products that are not zero by construction, and need no patches of zeros."""
+  the products that are not zero by construction, and need no patches of zeros. A forward
+  that would sum in fewer than `MIN_FORWARD_LANES` interleaved lanes is XLA's convolution
+  (as accurate as what the rule replaces, by construction)."""
   lhs, rhs = (v.aval.shape for v in op.eqn.invars)
   trimmed = _live_taps(lhs, rhs, op.eqn.params)
   if trimmed is None:
@@ -98,6 +100,8 @@ def _patch_conv(op, p, image_differentiated):
     k = rhs.ndim - 1  # the window's dims: the kernel's, less its output features
     window = [d for d in range(rhs.ndim) if d != dn.rhs_spec[0]]
     split = window.index(dn.rhs_spec[1])  # the sum runs in lanes over input features
+    if _few_interleaved_lanes(rhs, patches, window, split, budget_of):
+      return _xla_convolution(lhs, rhs, p).astype(out_dtype)
     out = _lane_dot(
       rhs, patches, window, range(patches.ndim - k, patches.ndim), split, matmul, budget_of
     )
@@ -127,6 +131,34 @@ def _patch_conv(op, p, image_differentiated):
   conv = jax.custom_vjp(run)
   conv.defvjp(forward, backward)
   return conv
+
+
+# A forward whose lanes interleave (a kernel with its output features first) and of which
+# fewer than this many fit their budget is XLA's convolution instead: with 4 lanes such a
+# forward had 1.14x XLA's error, with 2 1.21x, with 8 0.88x (docs/results.md, issue 42).
+MIN_FORWARD_LANES = 8
+
+
+def _few_interleaved_lanes(kernel, other, kernel_dims, split, budget_of) -> bool:
+  kd = kernel_dims[split]
+  dims = sorted(kernel_dims)
+  if dims.index(kd) == kd:  # chunked (`_lane_dot`): its lanes are budgeted apart
+    return False
+  return _lanes(kernel, other, dims, dims.index(kd), budget_of, False) < MIN_FORWARD_LANES
+
+
+def _xla_convolution(lhs, rhs, p):
+  return jax.lax.conv_general_dilated(
+    lhs,
+    rhs,
+    window_strides=p["window_strides"],
+    padding=p["padding"],
+    lhs_dilation=p["lhs_dilation"],
+    rhs_dilation=p["rhs_dilation"],
+    dimension_numbers=p["dimension_numbers"],
+    precision=p["precision"],
+    preferred_element_type=p.get("preferred_element_type"),
+  )
 
 
 # Each output of the rule's matmuls sums its products in up to this many partial sums, added
