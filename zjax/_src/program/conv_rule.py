@@ -51,13 +51,10 @@ def conv_as_patch_matmul(op, image_differentiated: bool):
   the products that are not zero by construction, and need no patches of zeros. A forward
   that would sum in fewer than `MIN_FORWARD_LANES` interleaved lanes is XLA's convolution
   (as accurate as what the rule replaces, by construction)."""
-  lhs, rhs = (v.aval.shape for v in op.eqn.invars)
-  trimmed = _live_taps(lhs, rhs, op.eqn.params)
-  if trimmed is None:
-    return _patch_conv(op, op.eqn.params, image_differentiated)
-  taps, params = trimmed
+  image_shape, kernel_shape = (v.aval.shape for v in op.eqn.invars)
+  taps, params = _live_taps(image_shape, kernel_shape, op.eqn.params) or (None, op.eqn.params)
   conv = _patch_conv(op, params, image_differentiated)
-  return lambda lhs, rhs: conv(lhs, rhs[taps])
+  return conv if taps is None else lambda lhs, rhs: conv(lhs, rhs[taps])
 
 
 def _live_taps(lhs_shape, rhs_shape, p):
@@ -100,7 +97,8 @@ def _patch_conv(op, p, image_differentiated):
     k = rhs.ndim - 1  # the window's dims: the kernel's, less its output features
     window = [d for d in range(rhs.ndim) if d != dn.rhs_spec[0]]
     split = window.index(dn.rhs_spec[1])  # the sum runs in lanes over input features
-    if _few_interleaved_lanes(rhs, patches, window, split, budget_of):
+    chunked, lanes = _lane_count(rhs, patches, window, split, budget_of)
+    if not chunked and lanes < MIN_FORWARD_LANES:
       return _xla_convolution(lhs, rhs, p).astype(out_dtype)
     out = _lane_dot(
       rhs, patches, window, range(patches.ndim - k, patches.ndim), split, matmul, budget_of
@@ -137,14 +135,6 @@ def _patch_conv(op, p, image_differentiated):
 # fewer than this many fit their budget is XLA's convolution instead: with 4 lanes such a
 # forward had 1.14x XLA's error, with 2 1.21x, with 8 0.88x (docs/results.md, issue 42).
 MIN_FORWARD_LANES = 8
-
-
-def _few_interleaved_lanes(kernel, other, kernel_dims, split, budget_of) -> bool:
-  kd = kernel_dims[split]
-  dims = sorted(kernel_dims)
-  if dims.index(kd) == kd:  # chunked (`_lane_dot`): its lanes are budgeted apart
-    return False
-  return _lanes(kernel, other, dims, dims.index(kd), budget_of, False) < MIN_FORWARD_LANES
 
 
 def _xla_convolution(lhs, rhs, p):
@@ -196,8 +186,7 @@ def _lane_dot(kernel, other, kernel_dims, other_dims, split, matmul, budget_of):
   kernel_dims, other_dims = zip(*sorted(zip(kernel_dims, other_dims)))
   kernel_dims, other_dims, split = list(kernel_dims), list(other_dims), kernel_dims.index(kd)
   size = kernel.shape[kd]
-  chunked = split == kd  # (sorted: every dim before kd is summed too)
-  lanes = _lanes(kernel, other, kernel_dims, split, budget_of, chunked)
+  chunked, lanes = _lane_count(kernel, other, kernel_dims, split, budget_of)
   kernel_first = 0 not in kernel_dims
   kernel_free = kernel.ndim - len(kernel_dims)
 
@@ -231,6 +220,15 @@ def _lane_dot(kernel, other, kernel_dims, other_dims, split, matmul, budget_of):
   other_dims.insert(split + 1, od + 1)
   out = dot(kernel, other, (kernel_dims, other_dims))  # [other's free dims, lane, kernel's]
   return out.sum(other.ndim - len(other_dims) - 1)
+
+
+def _lane_count(kernel, other, kernel_dims, split, budget_of) -> tuple[bool, int]:
+  """(whether the lanes are contiguous chunks, how many) of a sum over `kernel_dims` cut
+  at `kernel_dims[split]`: chunks where every kernel dim before that one is summed too."""
+  kd = kernel_dims[split]
+  dims = sorted(kernel_dims)
+  chunked = dims.index(kd) == kd
+  return chunked, _lanes(kernel, other, dims, dims.index(kd), budget_of, chunked)
 
 
 def _lanes(kernel, other, kernel_dims, split, budget_of, chunked) -> int:
