@@ -7,7 +7,10 @@ look like the buffers XLA allocates for them:
 
 - **Live ranges.** A value lives from its equation to its last use. A nested program (a
   loop body, a rematerialized backward, a custom derivative) adds its own peak beyond its
-  inputs and results (which its caller counts) while its equation runs.
+  inputs and results (which its caller counts) while its equation runs; a loop's new carry
+  is the body's own (its caller holds one buffer per carry, and XLA copies a carry whose
+  new value is made while the old one is still read). Calls (`jit`) are inlined first
+  (`inlined`), as XLA does.
 - **Fusion.** An element-wise result read by exactly one element-wise op or reduction is
   computed inside its reader and never stored.
 - **Aliases.** An optimization barrier's and a checkpoint name's results are their inputs'
@@ -32,6 +35,7 @@ import dataclasses
 
 import jax
 import jax.extend.core as jex
+import numpy as np
 
 from zjax._src.program.trace import sub_jaxprs
 from zjax._src.schedule import ir
@@ -71,13 +75,18 @@ def step_footprint(step, *args) -> Footprint:
   """The per-device footprint of `step(*args)` (a `zjax.value_and_grad` step, or any
   function whose work is one shard_map), from its trace alone. `args` may be
   ShapeDtypeStructs with shardings; nothing is compiled or allocated."""
-  body = device_program(jax.make_jaxpr(step)(*args).jaxpr)
+  return body_footprint(device_program(jax.make_jaxpr(step)(*args).jaxpr))
+
+
+def body_footprint(body) -> Footprint:
+  """The footprint of a device program (the shard_map body `device_program` finds)."""
+  body = inlined(body)
   arguments = set(body.invars)
   outputs = [v for v in dict.fromkeys(_vars(body.outvars)) if v not in arguments]
-  output_bytes = sum(ir.aval_bytes(v.aval) for v in outputs)
+  output_bytes = sum(device_bytes(v.aval) for v in outputs)
   peak = peak_bytes(body, frozenset(arguments))
   return Footprint(
-    arguments=sum(ir.aval_bytes(v.aval) for v in body.invars),
+    arguments=sum(device_bytes(v.aval) for v in body.invars),
     outputs=output_bytes,
     temp=max(peak - output_bytes, 0),
   )
@@ -141,15 +150,56 @@ def peak_bytes(jaxpr, excluded=frozenset()) -> int:
   return peak
 
 
+INLINED = frozenset({"jit", "pjit", "closed_call", "core_call"})
+
+
+def inlined(jaxpr) -> jex.Jaxpr:
+  """`jaxpr` with its calls (`jit` inside jit, e.g. optax's helpers) replaced by their
+  equations, with fresh values per call, as XLA inlines them: fusion and buffer reuse then
+  apply across a call's boundary, and its values live as long as they are read, not as
+  long as the call."""
+  eqns = []
+
+  def walk(j, env):
+    for eqn in j.eqns:
+      invars = [env.get(v, v) if isinstance(v, jex.Var) else v for v in eqn.invars]
+      sub = eqn.params.get("jaxpr") if eqn.primitive.name in INLINED else None
+      if sub is None or not hasattr(sub, "consts") or sub.consts:
+        outvars = [jex.Var(v.aval) if isinstance(v, jex.Var) else v for v in eqn.outvars]
+        env.update(zip(eqn.outvars, outvars))
+        eqns.append(eqn.replace(invars=invars, outvars=outvars))
+        continue
+      inner = dict(zip(sub.jaxpr.invars, invars))
+      walk(sub.jaxpr, inner)
+      for outer, result in zip(eqn.outvars, sub.jaxpr.outvars):
+        env[outer] = inner.get(result, result) if isinstance(result, jex.Var) else result
+
+  env = {}
+  walk(jaxpr, env)
+  outvars = [env.get(v, v) if isinstance(v, jex.Var) else v for v in jaxpr.outvars]
+  return jaxpr.replace(eqns=eqns, outvars=outvars)
+
+
 def _transient(eqn) -> int:
   """Bytes an equation needs only while it runs: a nested program's own peak beyond its
   inputs, or a matmul's transposed operand copies."""
   nested = 0
   for _, sub, _ in sub_jaxprs(eqn):
     sub = getattr(sub, "jaxpr", sub)
-    ends = dict.fromkeys([*sub.invars, *_vars(sub.outvars)])  # counted by the caller
-    nested = max(nested, peak_bytes(sub) - sum(ir.aval_bytes(v.aval) for v in ends))
+    ends = dict.fromkeys([*sub.invars, *_vars(sub.outvars[_carries(eqn) :])])  # the caller's
+    nested = max(nested, peak_bytes(sub) - sum(device_bytes(v.aval) for v in ends))
   return max(nested, _transposed_operand_bytes(eqn))
+
+
+def _carries(eqn) -> int:
+  """How many of a loop body's results are its carry. The caller holds one buffer per
+  carry; while the body runs, a new carry made while the old one is still read needs a
+  second (XLA copies it), so those results stay the body's own."""
+  if eqn.primitive.name == "scan":
+    return eqn.params["num_carry"]
+  if eqn.primitive.name == "while":
+    return len(eqn.outvars)
+  return 0
 
 
 def _transposed_operand_bytes(eqn) -> int:
@@ -166,7 +216,7 @@ def _transposed_operand_bytes(eqn) -> int:
     order = [*batch, *(free + list(contracting) if is_lhs else list(contracting) + free)]
     moved = [d for d in order if shape[d] != 1]  # unit dims move for free
     if moved != [d for d in range(len(shape)) if shape[d] != 1]:
-      copies += ir.aval_bytes(v.aval)
+      copies += device_bytes(v.aval)
   return copies
 
 
@@ -195,7 +245,23 @@ def _sizes(jaxpr, excluded):
     for v in _vars(eqn.outvars)
     if v not in results and len(readers[v]) == 1 and readers[v][0] in FUSING_READERS
   }
-  return lambda v: 0 if v in fused or v in excluded else ir.aval_bytes(v.aval)
+  return lambda v: 0 if v in fused or v in excluded else device_bytes(v.aval)
+
+
+def device_bytes(aval) -> int:
+  """Bytes of one device's part of a value: its whole size inside a shard_map body, its
+  shard where its type carries an explicit sharding (outside one, on an Explicit mesh)."""
+  sharding = getattr(aval, "sharding", None)
+  spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+  if not spec or mesh is None or not getattr(aval, "shape", ()):
+    return ir.aval_bytes(aval)
+  sizes = dict(mesh.shape)
+  shape = list(aval.shape)
+  for d, entry in enumerate(tuple(spec)[: len(shape)]):
+    for axis in (entry,) if isinstance(entry, str) else (entry or ()):
+      shape[d] = -(-shape[d] // sizes.get(axis, 1))
+  itemsize = getattr(getattr(aval, "dtype", None), "itemsize", 0)
+  return int(np.prod(shape, dtype=np.int64)) * itemsize
 
 
 def _vars(atoms) -> list:

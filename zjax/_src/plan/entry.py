@@ -95,7 +95,7 @@ def compile_schedule(
     trace,
     config,
     sizes,
-    frozen=_frozen_indices(params, frozen, trace),
+    frozen=frozen_indices(params, frozen, trace),
     platform=platform,
     tensor=tensor,
   )
@@ -113,7 +113,7 @@ def _trace_mesh(config, mesh, axis_sizes):
   return mesh if mesh is not None else dict(axis_sizes)
 
 
-def _frozen_indices(params, frozen, trace) -> frozenset:
+def frozen_indices(params, frozen, trace) -> frozenset:
   if frozen is None:
     return frozenset()
   if callable(frozen):

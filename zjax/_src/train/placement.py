@@ -39,7 +39,7 @@ class OnDevice:
 
   def initial(self, sharded):
     """(params, opt_state, masters) of a new state from the sharded parameters."""
-    with jax.set_mesh(self.mesh):  # optax makes unsharded scalars: Explicit meshes need it
+    with mesh_context(self.mesh):  # optax makes unsharded scalars: Explicit meshes need it
       # explicit output shardings: on Auto axes jit would otherwise replicate the moments
       shardings = self.opt_state_shardings(jax.eval_shape(self.optimizer.init, sharded))
       return sharded, jax.jit(self.optimizer.init, out_shardings=shardings)(sharded), None
@@ -77,7 +77,7 @@ class OnDevice:
     return jax.tree_util.tree_map_with_path(sharding, opt_shapes)
 
   def _abstract_opt_state(self, params, kind=None):
-    with jax.set_mesh(self.mesh):
+    with mesh_context(self.mesh):
       shapes = jax.eval_shape(self.optimizer.init, params)
     return jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -168,6 +168,14 @@ class Offloaded(OnDevice):
       _like(storage, self.copy_shardings),
     )
     return copies, self._abstract_opt_state(storage, offload.HOST), masters
+
+
+def mesh_context(mesh):
+  """The context that makes `mesh` current: a device mesh, or an abstract one (the trainer
+  traced without devices, e.g. to predict its memory)."""
+  if isinstance(mesh, jax.sharding.AbstractMesh):
+    return jax.sharding.use_abstract_mesh(mesh)
+  return jax.set_mesh(mesh)
 
 
 def _like(tree, leaves):
