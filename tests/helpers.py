@@ -115,6 +115,36 @@ def case_temp(case, config, n=8):
   return zjax.hlo.compile_for_analysis(step.lower(*args)).memory_analysis().temp_size_in_bytes
 
 
+def trainer_footprint(case, plan) -> int:
+  """Device bytes of the trainer step a `zjax.autoconfig` plan configures for a
+  `real_models.Case` (adam), compiled for analysis: arguments + outputs + temp - aliased.
+  CPU has one memory, so state placed in host memory (offload) counts as arguments there;
+  it is subtracted."""
+  import math
+
+  import optax
+
+  from zjax._src.autoconfig.search import micro_batch
+
+  mesh = plan.mesh()
+  micro = micro_batch(case.batch, plan.accumulation_steps)
+  schedule = zjax.compile_schedule(
+    case.loss_fn, case.params, micro, mesh=mesh, config=plan.config, extra=case.extra
+  )
+  trainer = zjax.zero3(
+    case.loss_fn, optax.adam(1e-3), schedule, mesh=mesh, **plan.trainer_options()
+  )
+  state = trainer.abstract_state(case.extra)
+  m = zjax.hlo.compile_for_analysis(trainer.lower(state, case.batch)).memory_analysis()
+  host = sum(
+    math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+    for x in jax.tree.leaves(state)
+    if x.sharding.memory_kind == "pinned_host"
+  )
+  total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+  return total - m.alias_size_in_bytes - host
+
+
 def reference(loss_fn, params, batch):
   """Plain single-device jax.value_and_grad (integer leaves: zero gradient)."""
   loss, grads = jax.jit(jax.value_and_grad(loss_fn, allow_int=True))(params, batch)

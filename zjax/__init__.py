@@ -3,6 +3,7 @@
 Public API (everything else lives in `zjax._src` and may change):
   ZeroConfig        the knobs (DeepSpeed's names, units and defaults)
   compile_schedule  trace a loss function and plan its schedule for N devices
+  autoconfig        choose the layout and knobs for a memory budget and a cluster
   Schedule          the schedule: data, JSON, validation, report, readable table
   trace_program     the parameter-use table of a loss function (what the planner sees)
   shard / unshard   natural-shape params <-> the schedule's sharded layout
@@ -15,6 +16,7 @@ Public API (everything else lives in `zjax._src` and may change):
 """
 
 from zjax import distributed, hlo
+from zjax._src.autoconfig.search import AutoConfig, BudgetError, autoconfig
 from zjax._src.checkpoint.checkpoint import CheckpointError, CheckpointManager, export_params
 from zjax._src.config import ZeroConfig
 from zjax._src.errors import ScheduleError, ScheduleMismatchError, TraceError, ZjaxError
@@ -30,6 +32,9 @@ __all__ = [
   "distributed",
   "ZeroConfig",
   "compile_schedule",
+  "autoconfig",
+  "AutoConfig",
+  "BudgetError",
   "Schedule",
   "trace_program",
   "shard",

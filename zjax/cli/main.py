@@ -4,7 +4,7 @@ import argparse
 import sys
 
 from zjax._src.errors import ZjaxError
-from zjax.cli import bench_cmd, inspect_cmd, launch_cmd, train_cmd
+from zjax.cli import bench_cmd, inspect_cmd, launch_cmd, plan_cmd, train_cmd
 from zjax.cli.target import TargetError
 
 
@@ -12,6 +12,7 @@ def build_parser() -> argparse.ArgumentParser:
   parser = _OneLineParser(prog="zjax", description="ZeRO-3 fully sharded data parallelism for JAX.")
   subparsers = parser.add_subparsers(dest="subcommand", required=True, parser_class=_OneLineParser)
   inspect_cmd.add_parser(subparsers)
+  plan_cmd.add_parser(subparsers)
   train_cmd.add_parser(subparsers)
   bench_cmd.add_parser(subparsers)
   launch_cmd.add_parser(subparsers)
