@@ -307,18 +307,13 @@ def autoconfig(
   n = math.prod(next(iter(layouts))[1].values())
   steps = accumulation_choices(batch, n)
   search = _Search(
-    loss_fn,
-    params,
-    batch,
-    extra,
-    frozen,
-    platform,
+    (loss_fn, params, batch, extra, frozen, platform),
     the_cluster,
     compute_efficiency,
-    optax.adam(1e-3) if optimizer is None else optimizer,
-    budget,
-    margin,
-    offload,
+    optimizer,
+    budget=budget,
+    margin=margin,
+    offload=offload,
   )
   search.collectives = mesh is not None or len(layouts) == 1
   persistence = [(), SHARD_ALL]
@@ -357,20 +352,8 @@ def predict(
   `offload` one of "none", "optimizer", "optimizer+params"."""
   if offload not in OFFLOADS:
     raise ValueError(f"offload must be one of {list(OFFLOADS)}, got {offload!r}.")
-  search = _Search(
-    loss_fn,
-    params,
-    batch,
-    extra,
-    frozen,
-    platform or jax.default_backend(),
-    cluster_lib.resolve(cluster),
-    compute_efficiency,
-    optax.adam(1e-3) if optimizer is None else optimizer,
-    float("inf"),
-    0.0,
-    True,
-  )
+  model = (loss_fn, params, batch, extra, frozen, platform or jax.default_backend())
+  search = _Search(model, cluster_lib.resolve(cluster), compute_efficiency, optimizer)
   search.collectives = True  # one layout: trace it with its own axes
   evaluated = search.evaluate(config, axis_sizes, accumulation_steps, ())
   return next(ev for ev in evaluated if ev.candidate.offload == offload)
@@ -380,28 +363,13 @@ class _Search:
   """The evaluated candidates, keyed by (layout, K, knobs); the choice among them."""
 
   def __init__(
-    self,
-    loss_fn,
-    params,
-    batch,
-    extra,
-    frozen,
-    platform,
-    cluster,
-    efficiency,
-    optimizer,
-    budget,
-    margin,
-    offload,
+    self, model, cluster, efficiency, optimizer, budget=float("inf"), margin=0.0, offload=True
   ):
-    self.loss_fn, self.params, self.batch, self.extra = loss_fn, params, batch, extra
-    self.frozen, self.platform, self.cluster = frozen, platform, cluster
-    self.efficiency, self.optimizer, self.budget, self.margin = (
-      efficiency,
-      optimizer,
-      budget,
-      margin,
-    )
+    """`model`: (loss_fn, params, batch, extra, frozen, platform); `optimizer` None:
+    `optax.adam`."""
+    self.loss_fn, self.params, self.batch, self.extra, self.frozen, self.platform = model
+    self.cluster, self.efficiency, self.budget, self.margin = cluster, efficiency, budget, margin
+    self.optimizer = optax.adam(1e-3) if optimizer is None else optimizer
     self.offloads = OFFLOADS if offload else ("none",)
     self.results: dict = {}  # (layout, K, knobs) -> _Priced
     self.traces: dict = {}  # (devices or axis sizes, micro-batch shape) -> ProgramTrace

@@ -1,5 +1,5 @@
 """Per-device memory of a training step predicted from its traced program, not compiled:
-the start of issue 46's activation model (plan from a budget).
+the activation model `zjax.autoconfig` plans with.
 
 zjax runs each device's work as one shard_map body. This walks that body's jaxpr in program
 order and keeps the peak of the bytes alive, with the few rules that make a jaxpr's values
@@ -25,9 +25,10 @@ look like the buffers XLA allocates for them:
 
 Measured against the analysis compile (docs/results.md, "An activation model";
 `python examples/activation_liveness.py`): arguments exact, outputs but for the compiled
-result table (8 bytes a result), the footprint 0.58-1.20x on the suite's models and two
-GPTs, mostly under (XLA's copies of loop carries, its collective buffers and its own order
-are not modeled). Not yet the 10% a planner needs; nothing in zjax plans with it yet.
+result table (8 bytes a result), the gradient step's footprint 0.64-1.36x on the suite's
+models and two GPTs; the trainer's whole step (zjax.autoconfig's memory model,
+autoconfig/step_cost.py) 0.71-1.43x (docs/autoconfig.md). Not modeled: XLA's own order,
+its collective buffers, the gathered weights it keeps longer than program order does.
 """
 
 import collections
