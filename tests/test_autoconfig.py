@@ -257,3 +257,12 @@ def test_the_optimizer_state_is_counted_from_the_optimizer():
   assert adam.config == sgd.config
   assert adam.memory.optimizer == 2 * adam.memory.parameters + 4  # all float, all trained
   assert sgd.memory.optimizer == 0 and sgd.memory.total < adam.memory.total
+
+
+@pytest.mark.slow
+def test_a_mesh_with_a_loss_using_its_axis_keeps_the_flat_layout():
+  case = real_models.resnet_syncbn()  # BatchNorm(axis_name="fsdp")
+  mesh = jax.sharding.AbstractMesh((2, 4), ("replica", "fsdp"))
+  p = plan(2**40, case, mesh=mesh, num_devices=None)
+  assert not p.config.replicate_axes
+  assert all(r["candidate"].startswith("flat") for r in p.rejected)

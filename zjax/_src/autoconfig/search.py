@@ -594,7 +594,9 @@ def _layouts(base, num_devices, mesh, cluster, loss_fn, params, batch, extra):
   if mesh is not None:
     if not hasattr(mesh, "axis_names") or not hasattr(mesh, "shape"):
       raise TypeError(f"mesh must be a jax Mesh or AbstractMesh, got {type(mesh).__name__}.")
-    return _mesh_layouts(base, mesh)
+    layouts = _mesh_layouts(base, mesh)
+    n = math.prod(layouts[0][1].values())
+    return layouts[:1] if _uses_collectives(loss_fn, params, batch, extra, base, n) else layouts
   if isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer)):
     raise ValueError(f"num_devices must be a positive int, got {num_devices!r}.")
   n = int(num_devices)
@@ -638,7 +640,9 @@ def _mesh_layouts(base, mesh):
 def _uses_collectives(loss_fn, params, batch, extra, base, n) -> bool:
   """Whether the loss itself uses a collective over its data axis (traced with the axis
   under another name: the trace then fails to find it)."""
-  probe = dataclasses.replace(base, shard_axes=("__zjax_probe__",))
+  probe = dataclasses.replace(
+    base, shard_axes=("__zjax_probe__",), replicate_axes=(), secondary_partition=False
+  )
   try:
     compile_schedule(
       loss_fn,

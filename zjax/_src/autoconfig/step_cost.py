@@ -177,7 +177,7 @@ def step_time(
     host_bytes = 2 * plan["whole_state_bytes"] + k * plan["param_transfer_bytes"]
   host = host_bytes / cluster.host_bandwidth
   by_axis = {
-    axis: {**row, "bytes": row["bytes"] * k, "seconds": row["seconds"] * k}
+    axis: {"bytes": row["bytes"] * k, "seconds": row["seconds"] * k, "count": row["count"] * k}
     for axis, row in comm["by_axis"].items()
   }
   return Time(
