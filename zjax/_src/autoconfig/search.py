@@ -36,6 +36,7 @@ from zjax._src.autoconfig import step_cost
 from zjax._src.config import ZeroConfig
 from zjax._src.errors import TraceError, ZjaxError
 from zjax._src.layout import tensor_specs
+from zjax._src.plan import comm_model
 from zjax._src.plan.comm_model import Link
 from zjax._src.plan.entry import compile_schedule, frozen_indices
 from zjax._src.plan.plan import plan_schedule
@@ -396,21 +397,21 @@ class _Search:
     )
     n = math.prod(sizes.values())
     batch_bytes = step_cost.batch_share_bytes(self.batch, n)
-    links = _links(sizes, config, self.cluster)
+    report = schedule.report()
+    comm = comm_model.predict(schedule, _links(sizes, config, self.cluster))
     itemsize = _compute_itemsize(schedule)
     replicas = math.prod(sizes[a] for a in config.replicate_axes)
     evaluated = []
     for where in self.offloads:
-      memory = step_cost.memory(
-        schedule, program, accumulation=k, offload=where, batch_bytes=batch_bytes
-      )
+      plan = step_cost.offload_plan(schedule, where)
+      memory = step_cost.memory(report, program, accumulation=k, plan=plan, batch_bytes=batch_bytes)
       time = step_cost.step_time(
         schedule,
         program.flops,
-        links,
+        comm,
         self.cluster,
         accumulation=k,
-        offload=where,
+        plan=plan,
         efficiency=self.efficiency,
         compute_itemsize=itemsize,
       )

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from zjax._src.execute import offload_stream
-from zjax._src.plan import activation_memory, comm_model
+from zjax._src.plan import activation_memory
 from zjax._src.program.trace import sub_jaxprs
 from zjax._src.schedule import ir
 from zjax._src.train.train import plan_sub_groups, zero3
@@ -132,16 +132,23 @@ def trainer_program(schedule, loss_fn, mesh, *, optimizer, accumulation, batch, 
   )
 
 
-def memory(schedule, program: TrainerProgram, *, accumulation, offload, batch_bytes) -> Memory:
-  """The trainer's step peak per device, by what holds it (module docstring)."""
-  report = schedule.report()
+def offload_plan(schedule, offload: str):
+  """`offload_stream.predicted` for an offload mode ("optimizer", "optimizer+params"); None
+  for "none"."""
+  if offload == "none":
+    return None
+  return offload_stream.predicted(
+    schedule, plan_sub_groups(schedule), params_on_host=offload == "optimizer+params"
+  )
+
+
+def memory(report, program: TrainerProgram, *, accumulation, plan, batch_bytes) -> Memory:
+  """The trainer's step peak per device, by what holds it (module docstring). `report`:
+  the schedule's; `plan`: its `offload_plan` (None: on the device)."""
   params = report["state_bytes_per_device"]
   optimizer = program.optimizer_bytes
   total = program.arguments + program.peak
-  if offload != "none":
-    plan = offload_stream.predicted(
-      schedule, plan_sub_groups(schedule), params_on_host=offload == "optimizer+params"
-    )
+  if plan is not None:
     total += plan["device_bytes"] + plan["stream_device_bytes"] - params - optimizer
     params, optimizer = plan["device_bytes"], plan["stream_device_bytes"]
   grads = program.gradient_bytes * (2 if accumulation > 1 else 1)
@@ -160,20 +167,17 @@ def memory(schedule, program: TrainerProgram, *, accumulation, offload, batch_by
 
 
 def step_time(
-  schedule, flops, links, cluster, *, accumulation, offload, efficiency, compute_itemsize
+  schedule, flops, comm, cluster, *, accumulation, plan, efficiency, compute_itemsize
 ) -> Time:
-  """Predicted seconds of one trainer step (module docstring)."""
-  comm = comm_model.predict(schedule, links)
+  """Predicted seconds of one trainer step (module docstring). `comm`: one micro-batch's
+  `comm_model.predict`; `plan`: the `offload_plan` (None: on the device)."""
   k = accumulation
   compute = flops / (cluster.peak_flops(compute_itemsize) * efficiency)  # flops: all K
   communication = k * comm["seconds"]
   prefetch = schedule.config.prefetch_bucket_size > 0
   exposed = max(communication - compute, 0.0) if prefetch else communication
   host_bytes = 0
-  if offload != "none":
-    plan = offload_stream.predicted(
-      schedule, plan_sub_groups(schedule), params_on_host=offload == "optimizer+params"
-    )
+  if plan is not None:
     host_bytes = 2 * plan["whole_state_bytes"] + k * plan["param_transfer_bytes"]
   host = host_bytes / cluster.host_bandwidth
   by_axis = {
