@@ -208,23 +208,7 @@ def _mesh(args, config) -> tuple[dict[str, int], dict, dict[str, int]]:
     return sizes, {}, sizes
   if args.devices is not None:
     raise ValueError("Pass --devices or --mesh, not both.")
-  try:
-    dims = [int(d) for d in args.mesh.lower().split("x")]
-  except ValueError:
-    dims = []
-  if not dims or any(d < 1 for d in dims):
-    raise ValueError(
-      f"--mesh must be positive axis sizes joined by 'x' (e.g. 128x8), got {args.mesh!r}."
-    )
-  default_axes = (
-    ("replica", "fsdp") if len(dims) == 2 else tuple(f"axis{i}" for i in range(len(dims)))
-  )
-  axes = tuple(args.axes.split(",")) if args.axes else default_axes
-  if len(axes) != len(dims) or len(set(axes)) != len(axes) or not all(axes):
-    raise ValueError(
-      f"--axes must name each of the {len(dims)} mesh axes once (e.g. "
-      f"{','.join(default_axes)}), got {args.axes!r}."
-    )
+  dims, axes = parse_mesh(args.mesh, args.axes)
   missing = [a for a in config.tensor_axes if a not in axes]
   if missing:
     raise ValueError(
@@ -240,6 +224,29 @@ def _mesh(args, config) -> tuple[dict[str, int], dict, dict[str, int]]:
       f"--mesh 8x{dims[-1]} --axes fsdp,{axes[-1]})."
     )
   return ({a: mesh_sizes[a] for a in data_axes}, comm_model.layouts(config, data_axes), mesh_sizes)
+
+
+def parse_mesh(sizes: str, names: str | None) -> tuple[list[int], tuple[str, ...]]:
+  """`--mesh 128x8 --axes replica,fsdp` -> ([128, 8], ("replica", "fsdp")); two axes are
+  (replica, fsdp) by default, more are axis0, axis1, ..."""
+  try:
+    dims = [int(d) for d in sizes.lower().split("x")]
+  except ValueError:
+    dims = []
+  if not dims or any(d < 1 for d in dims):
+    raise ValueError(
+      f"--mesh must be positive axis sizes joined by 'x' (e.g. 128x8), got {sizes!r}."
+    )
+  default_axes = (
+    ("replica", "fsdp") if len(dims) == 2 else tuple(f"axis{i}" for i in range(len(dims)))
+  )
+  axes = tuple(names.split(",")) if names else default_axes
+  if len(axes) != len(dims) or len(set(axes)) != len(axes) or not all(axes):
+    raise ValueError(
+      f"--axes must name each of the {len(dims)} mesh axes once (e.g. "
+      f"{','.join(default_axes)}), got {names!r}."
+    )
+  return dims, axes
 
 
 def _links(specs, sizes) -> dict:

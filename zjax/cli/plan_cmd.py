@@ -8,6 +8,7 @@ from jax.sharding import AbstractMesh
 
 from zjax._src.autoconfig import cluster as cluster_lib
 from zjax._src.autoconfig.search import MARGIN, autoconfig
+from zjax.cli.inspect_cmd import parse_mesh
 from zjax.cli.target import load_target
 
 
@@ -92,17 +93,5 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _abstract_mesh(sizes: str, names: str | None) -> AbstractMesh:
-  try:
-    dims = tuple(int(d) for d in sizes.lower().split("x"))
-  except ValueError:
-    dims = ()
-  if not dims or any(d < 1 for d in dims):
-    raise ValueError(f"--mesh must be positive sizes joined by 'x' (e.g. 128x8), got {sizes!r}.")
-  default = ("replica", "fsdp") if len(dims) == 2 else tuple(f"axis{i}" for i in range(len(dims)))
-  axes = tuple(names.split(",")) if names else default
-  if len(axes) != len(dims) or len(set(axes)) != len(axes) or not all(axes):
-    raise ValueError(
-      f"--axes must name each of the {len(dims)} mesh axes once (e.g. {','.join(default)}), "
-      f"got {names!r}."
-    )
-  return AbstractMesh(dims, axes)
+  dims, axes = parse_mesh(sizes, names)
+  return AbstractMesh(tuple(dims), axes)
